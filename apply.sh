@@ -27,11 +27,27 @@ usage() {
   exit "${1:-0}"
 }
 
-check=0 reverse=0 venv="" dir=""
+series_entries() {
+  sed -e 's/[[:space:]]#.*$//' -e 's/^#.*$//' -e 's/[[:space:]]*$//' "$PATCHES/series" |
+    grep -v '^$' || true
+}
+
+overlay_files() { (cd "$OVERLAY" && find . -type f ! -name '*.pyc' ! -path '*/__pycache__/*' | sed 's|^\./||' | LC_ALL=C sort); }
+
+# Files a patch touches, from its '+++ b/...' lines.
+patch_targets() { sed -n -E 's|^\+\+\+ b/([^[:space:]]+).*|\1|p' "$1"; }
+
+patchset_hash() {
+  { cat "$PATCHES/series"; series_entries | while read -r p; do cat "$PATCHES/$p"; done
+    overlay_files | while read -r f; do echo "$f"; cat "$OVERLAY/$f"; done; } | sha256sum | cut -c1-16
+}
+
+check=0 reverse=0 venv="" dir="" print_hash=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --check) check=1 ;;
     --reverse) reverse=1 ;;
+    --print-hash) print_hash=1 ;;
     --venv) [ $# -ge 2 ] || die "--venv needs a path"; venv=$2; shift ;;
     -h|--help) usage 0 ;;
     -*) echo "apply.sh: unknown option: $1" >&2; usage 2 ;;
@@ -39,6 +55,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+
+if [ "$print_hash" = 1 ]; then patchset_hash; exit 0; fi
 
 if [ -n "$venv" ]; then
   [ -z "$dir" ] || die "give either --venv or DIR, not both"
@@ -69,21 +87,6 @@ case "$version" in
   "$WANT_VERSION"|"$WANT_VERSION"+*) ;;
   *) die "$dir holds vLLM $version; this patch series is for vLLM $WANT_VERSION only" ;;
 esac
-
-series_entries() {
-  sed -e 's/[[:space:]]#.*$//' -e 's/^#.*$//' -e 's/[[:space:]]*$//' "$PATCHES/series" |
-    grep -v '^$' || true
-}
-
-overlay_files() { (cd "$OVERLAY" && find . -type f ! -name '*.pyc' ! -path '*/__pycache__/*' | sed 's|^\./||' | LC_ALL=C sort); }
-
-# Files a patch touches, from its '+++ b/...' lines.
-patch_targets() { sed -n -E 's|^\+\+\+ b/([^[:space:]]+).*|\1|p' "$1"; }
-
-patchset_hash() {
-  { cat "$PATCHES/series"; series_entries | while read -r p; do cat "$PATCHES/$p"; done
-    overlay_files | while read -r f; do echo "$f"; cat "$OVERLAY/$f"; done; } | sha256sum | cut -c1-16
-}
 
 # --- reverse ----------------------------------------------------------------------
 if [ "$reverse" = 1 ]; then

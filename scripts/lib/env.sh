@@ -1,0 +1,25 @@
+# Sourced by the scripts: where the environment, caches and model live, and the
+# process environment the CPU engine needs. Override any path with its variable.
+VTOKEN_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+export VTOKEN_REPO
+export VTOKEN_VENV=${VTOKEN_VENV:-$VTOKEN_REPO/.venv}
+export VTOKEN_CACHE=${VTOKEN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vtoken}
+export VTOKEN_MODEL_DIR=${VTOKEN_MODEL_DIR:-$VTOKEN_CACHE/models/SmolLM2-135M-Instruct}
+export VTOKEN_SHAREGPT=${VTOKEN_SHAREGPT:-$VTOKEN_CACHE/data/ShareGPT_V3_repaired.json}
+export VTOKEN_PRISTINE=${VTOKEN_PRISTINE:-$VTOKEN_CACHE/pristine-$(head -n1 "$VTOKEN_REPO/VLLM_VERSION")}
+VTOKEN_PY=$VTOKEN_VENV/bin/python
+
+vtoken_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+# The CPU worker refuses to start without tcmalloc and Intel OpenMP preloaded.
+vtoken_runtime_env() {
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+  export TOKENIZERS_PARALLELISM=false
+  if ! vtoken_has_cuda; then
+    local tc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+    local iomp=$VTOKEN_VENV/lib/libiomp5.so
+    case ":${LD_PRELOAD:-}:" in *libtcmalloc*) ;; *) export LD_PRELOAD=$tc:$iomp${LD_PRELOAD:+:$LD_PRELOAD} ;; esac
+    export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+    export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
+  fi
+}

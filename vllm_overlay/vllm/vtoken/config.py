@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine arguments of vToken (`--kv-eviction-policy` and friends).
+
+`VTokenConfig` is a vLLM config dataclass: `EngineArgs` copies its fields, the CLI
+lists them in their own group with these docstrings as help, and
+`VllmConfig.vtoken_config` carries it to the scheduler and the workers. With the
+default policy `none` every vToken hook stays idle and vLLM behaves as stock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, model_validator
+
+from vllm.config.utils import config
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+EvictionPolicyName = Literal["none", "h2o", "streamingllm", "scissorhands", "random"]
+ReclaimMode = Literal["naive", "vtoken"]
+
+
+@config
+class VTokenConfig:
+    """Token-level KV-cache eviction with physical reclamation (vToken)."""
+
+    kv_eviction_policy: EvictionPolicyName = "none"
+    """Token eviction policy. "none" keeps stock vLLM behaviour (hooks idle).
+    h2o: heavy hitters by accumulated attention plus a recent window;
+    streamingllm: attention sinks plus a recent window; scissorhands: pivotal
+    tokens by persistence of importance; random: uniform, seeded."""
+
+    kv_budget_tokens: int | None = Field(default=None, gt=0)
+    """Live tokens kept per request once eviction starts (required with a
+    policy). Prompts longer than this are prefilled in full, then evicted down
+    to it."""
+
+    kv_eviction_config: dict[str, Any] = Field(default_factory=dict)
+    """Policy knobs as JSON, e.g. '{"num_sinks": 4}' for streamingllm,
+    '{"recent_ratio": 0.5}' for h2o, '{"seed": 0}' for random. Unknown knobs are
+    an error."""
+
+    kv_reclaim: ReclaimMode = "vtoken"
+    """How evicted tokens turn into free memory. naive: a block returns to the
+    pool only when every token in it is dead (the paper's Naive-Evict). vtoken:
+    also compact the live tokens of under-used blocks into fewer blocks and free
+    the emptied ones."""
+
+    kv_reclaim_threshold: float = Field(default=0.9, gt=0.0, le=1.0)
+    """A full block whose live-token utilization is below this fraction is a
+    compaction source (vtoken mode)."""
+
+    kv_reclaim_margin: int = Field(default=2, ge=0)
+    """Free blocks kept in reserve beyond the next step's growth: compaction
+    takes destination blocks only while this many stay free, so running
+    requests are not pushed into preemption."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_eviction_policy != "none"
+
+    @property
+    def compaction(self) -> bool:
+        return self.enabled and self.kv_reclaim == "vtoken"
+
+    @model_validator(mode="after")
+    def _validate(self) -> VTokenConfig:
+        if not self.enabled:
+            return self
+        if self.kv_budget_tokens is None:
+            raise ValueError(
+                f"--kv-eviction-policy {self.kv_eviction_policy} needs "
+                "--kv-budget-tokens N (live tokens kept per request)"
+            )
+        # Build the policy once so that bad knobs fail at start-up, not mid-run.
+        from vllm.vtoken.policies import create_policy
+
+        create_policy(
+            self.kv_eviction_policy,
+            self.kv_budget_tokens,
+            self.policy_knobs(),
+        )
+        return self
+
+    def verify_with_vllm_config(self, vllm_config: VllmConfig) -> None:
+        """Refuse what vToken does not support; turn off what is not yet safe.
+
+        Raises:
+            ValueError: naming the unsupported combination and why.
+        """
+        import vllm.envs as envs
+        from vllm.platforms import current_platform
+
+        def refuse(what: str, why: str) -> None:
+            raise ValueError(
+                f"--kv-eviction-policy {self.kv_eviction_policy} does not support "
+                f"{what}: {why}."
+            )
+
+        if not current_platform.is_cpu():
+            refuse(
+                "GPU platforms in this release",
+                "the token-level attention read is wired for CPU_ATTN only "
+                "(the Triton path is tested, not yet hooked into the runner)",
+            )
+        if vllm_config.speculative_config is not None:
+            refuse("speculative decoding", "rejected tokens would need un-eviction")
+        if vllm_config.kv_transfer_config is not None:
+            refuse("KV connectors", "they move blocks vToken is compacting")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1 or parallel.tensor_parallel_size > 1:
+            refuse(
+                "tensor or pipeline parallelism",
+                "attention scores are not yet reduced across ranks",
+            )
+        if envs.VLLM_USE_V2_MODEL_RUNNER:
+            refuse("VLLM_USE_V2_MODEL_RUNNER=1", "vToken hooks the V1 model runner")
+        model = vllm_config.model_config
+        if model is not None:
+            if model.get_sliding_window() is not None:
+                refuse("sliding-window attention", "its window is positional")
+            if model.is_hybrid or model.use_mla or model.is_attention_free:
+                refuse("hybrid, MLA or attention-free models", "one KV layout only")
+            if not model.disable_cascade_attn:
+                model.disable_cascade_attn = True
+        sched = vllm_config.scheduler_config
+        if sched.async_scheduling is not False:
+            # The scheduler must see a step's acknowledgements before planning
+            # the next one (R-KV's async bug #10): schedule one step at a time.
+            logger.info("vToken: asynchronous scheduling turned off.")
+            sched.async_scheduling = False
+
+    def policy_knobs(self) -> dict[str, Any]:
+        """Knobs for the policy itself (the shared `seed` knob removed)."""
+        return {k: v for k, v in self.kv_eviction_config.items() if k != "seed"}
+
+    @property
+    def seed(self) -> int:
+        return int(self.kv_eviction_config.get("seed", 0))
+
+    def compute_hash(self) -> str:
+        # vToken changes which KV entries attention reads, not the compiled
+        # graph: attention is an opaque splitting op.
+        return "vtoken-no-graph-factors"

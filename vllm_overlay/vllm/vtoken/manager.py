@@ -1,0 +1,353 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vToken's scheduler side: policies, dead-block freeing and compaction planning.
+
+`VTokenScheduler` is what the patched `Scheduler` calls. It owns the Token Tables
+and turns them into block-pool operations, using vLLM's own precedent for freeing
+a block in the middle of a request (sliding window's `remove_skipped_blocks`):
+
+    req_to_blocks[rid]  = [b7, b3, b9, b4, b12]      positional: token i is in [i // B]
+    after compaction    = [b7, null, null, b4, b12]  b3, b9 emptied and freed
+    extra_blocks[rid]   = [b20]                      destinations: mixed logical
+                                                     positions, never hashed
+
+Per step (all in the scheduler process, before the worker runs):
+  begin_step   policies evict over budget; blocks left with no live token are
+               freed at once (that alone is the paper's Naive-Evict);
+  end_step     the step's new tokens get their slots; in vtoken mode the planner
+               packs the live tokens of under-used blocks into fresh blocks;
+  on_output    the worker acknowledged a move batch: tokens switch to their new
+               slots and the emptied source blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm.vtoken.eviction import EvictionRuntime
+from vllm.vtoken.messages import MoveBatch, VTokenStep, VTokenWorkerOutput
+from vllm.vtoken.planner import pack_request, plan_blocks
+from vllm.vtoken.policies import create_policy
+from vllm.vtoken.stats import VTokenCounters
+from vllm.vtoken.token_table import TokenTablePool
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+    from vllm.vtoken.config import VTokenConfig
+
+CHECK_INTEGRITY = os.environ.get("VTOKEN_CHECK_INTEGRITY", "0") == "1"
+
+
+class VTokenScheduler:
+    """Scheduler-side vToken state for one engine (one KV-cache group)."""
+
+    def __init__(
+        self,
+        cfg: VTokenConfig,
+        kv_cache_manager: KVCacheManager,
+        block_size: int,
+        requests: dict[str, Request],
+    ) -> None:
+        self.cfg = cfg
+        self._requests = requests  # the scheduler's own map, read only
+        self.block_size = block_size
+        self.block_pool = kv_cache_manager.block_pool
+        # Dense models have exactly one group (checked in VTokenConfig).
+        self._type_mgr = kv_cache_manager.coordinator.single_type_managers[0]
+        num_blocks = self.block_pool.num_gpu_blocks
+        self.pool = TokenTablePool(num_blocks, block_size)
+        policy = create_policy(
+            cfg.kv_eviction_policy, cfg.kv_budget_tokens, cfg.policy_knobs()
+        )
+        self._scores = None
+        self.runtime = EvictionRuntime(
+            self.pool,
+            policy,
+            cfg.kv_budget_tokens,
+            seed=cfg.seed,
+            score_source=self._read_scores if policy.score_mode else None,
+        )
+        self.extra_blocks: dict[str, list[KVCacheBlock]] = {}
+        # batch_id -> (move batch, {req_id: source blocks}); blocks of in-flight
+        # batches (sources and destinations) are never planned again until acked.
+        self._inflight: dict[int, tuple[MoveBatch, dict[str, list[KVCacheBlock]]]] = {}
+        self._busy: dict[int, int] = {}  # block_id -> batch_id
+        self._next_batch_id = 0
+        self._dead: dict[str, list[np.ndarray]] = {}
+        self._dirty: set[str] = set()  # evicted since last planned
+        self.counters = VTokenCounters()
+
+    # ------------------------------------------------------------ step hooks
+    def begin_step(self, running: Iterable[Request]) -> None:
+        """Enforce budgets on running requests; free blocks left fully dead."""
+        for req in running:
+            rid = req.request_id
+            # Never evict during a (chunked) prefill, nor before the table knows
+            # the tokens (prefill done means every prompt token was attended).
+            if rid not in self.pool or req.num_computed_tokens < req.num_prompt_tokens:
+                continue
+            dead = self.runtime.enforce_budget(rid, req.num_computed_tokens)
+            if dead.size == 0:
+                continue
+            self._dead.setdefault(rid, []).append(dead)
+            self._dirty.add(rid)
+            self.counters.evicted_tokens += int(dead.size)
+            self._free_empty_blocks(rid, dead)
+
+    def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
+        """Slot this step's tokens, plan compaction, build the worker's message."""
+        for rid, n in so.num_scheduled_tokens.items():
+            self._sync_slots(rid, self._requests[rid].num_computed_tokens + n)
+        moves = None
+        if self.cfg.compaction and self._dirty:
+            moves = self._plan(so)
+        dead = {rid: np.concatenate(d) for rid, d in self._dead.items()}
+        self._dead = {}
+        if not dead and moves is None:
+            return None
+        return VTokenStep(dead=dead, moves=moves)
+
+    def on_output(self, out: VTokenWorkerOutput | None) -> None:
+        """Switch acknowledged moves to their new slots; free the sources."""
+        if out is None:
+            return
+        if out.scores is not None:
+            self._scores = out.scores
+        self.counters.copy_bytes = out.copy_bytes
+        for batch_id in out.acked_batches:
+            batch, sources = self._inflight.pop(batch_id)
+            self._unbusy(batch_id, batch.dst_slots // self.block_size)
+            for rid, idx, _, dst in batch.per_request():
+                blocks = sources.get(rid)
+                if blocks is None:  # finished or preempted while in flight
+                    continue
+                self.pool.remap(rid, idx, dst)
+                self._unbusy(batch_id, [b.block_id for b in blocks])
+                self._release_blocks(rid, blocks)
+                self.counters.moved_tokens += int(idx.size)
+        if CHECK_INTEGRITY:
+            self.check_integrity()
+
+    def on_preempt(self, req: Request) -> None:
+        """Before vLLM frees a preempted request: keep its logical dead set."""
+        rid = req.request_id
+        if rid in self.pool:
+            self.pool.reset_slots(rid)
+        self._drop_blocks(rid)
+        self._dead.pop(rid, None)
+
+    def on_free(self, req: Request) -> None:
+        """Before vLLM frees a finished or aborted request."""
+        rid = req.request_id
+        if rid in self.pool:
+            self.runtime.release(rid)
+        self._drop_blocks(rid)
+        self._dead.pop(rid, None)
+        self._dirty.discard(rid)
+
+    # ------------------------------------------------------------ internals
+    def _read_scores(self, slots: np.ndarray) -> np.ndarray:
+        if self._scores is None:  # no forward has run yet
+            return np.zeros(len(slots), dtype=np.float32)
+        return self._scores.scores(slots)
+
+    def _positional(self, rid: str) -> list[KVCacheBlock]:
+        return self._type_mgr.req_to_blocks[rid]
+
+    def _sync_slots(self, rid: str, upto: int) -> None:
+        """Give tokens [num_slotted, upto) their positional slots."""
+        start = self.pool.num_slotted(rid) if rid in self.pool else 0
+        if upto <= start:
+            return
+        B = self.block_size
+        first, last = start // B, (upto - 1) // B
+        ids = np.fromiter(
+            (b.block_id for b in self._positional(rid)[first : last + 1]),
+            dtype=np.int64,
+            count=last - first + 1,
+        )
+        pos = np.arange(start, upto, dtype=np.int64)
+        slots = ids[pos // B - first] * B + pos % B
+        self.runtime.sync_new_tokens(rid, slots)
+
+    def _free_empty_blocks(self, rid: str, dead: np.ndarray) -> None:
+        """Free blocks of `rid` whose last live token just died (Naive-Evict)."""
+        B = self.block_size
+        slots = self.pool.slots(rid)[dead]
+        empty = {int(b) for b in np.unique(slots // B) if self.pool.block_live[b] == 0}
+        empty -= self._busy.keys()
+        if not empty:
+            return
+        blocks = self._held_blocks(rid, empty)
+        self._release_blocks(rid, blocks)
+
+    def _held_blocks(self, rid: str, ids: set[int]) -> list[KVCacheBlock]:
+        """The request's own (unshared) blocks among `ids`."""
+        found = [b for b in self.extra_blocks.get(rid, ()) if b.block_id in ids]
+        found += [
+            b
+            for b in self._positional(rid)
+            if b.block_id in ids and not b.is_null and b.ref_cnt == 1
+        ]
+        return found
+
+    def _release_blocks(self, rid: str, blocks: list[KVCacheBlock]) -> None:
+        """Null-replace or unlist `blocks` of `rid`, then free them."""
+        if not blocks:
+            return
+        ids = {b.block_id for b in blocks}
+        positional = self._positional(rid)
+        null = self.block_pool.null_block
+        for i, b in enumerate(positional):
+            if b.block_id in ids and not b.is_null:
+                positional[i] = null
+        extras = self.extra_blocks.get(rid)
+        if extras:
+            extras[:] = [b for b in extras if b.block_id not in ids]
+        self.block_pool.free_blocks(blocks)
+        self.counters.reclaimed_blocks += len(blocks)
+
+    def _drop_blocks(self, rid: str) -> None:
+        """Free the extra blocks and forget in-flight moves of `rid`."""
+        for batch_id, (_, sources) in self._inflight.items():
+            blocks = sources.pop(rid, None)
+            if blocks:
+                self._unbusy(batch_id, [b.block_id for b in blocks])
+        extras = self.extra_blocks.pop(rid, None)
+        if extras:
+            for b in extras:
+                self._busy.pop(b.block_id, None)
+            self.block_pool.free_blocks(extras)
+
+    def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            if self._busy.get(int(b)) == batch_id:
+                del self._busy[int(b)]
+
+    def _plan(self, so: SchedulerOutput) -> MoveBatch | None:
+        """Greedy compaction of under-used blocks, within the free-block margin."""
+        B = self.block_size
+        rids, indptr, cand = [], [0], []
+        for rid in self._dirty:
+            req = self._requests.get(rid)
+            if req is None or rid not in so.num_scheduled_tokens:
+                continue
+            # Full blocks written before this step; the tail is being filled.
+            nfull = req.num_computed_tokens // B
+            blocks = [
+                b
+                for b in itertools.chain(
+                    self._positional(rid)[:nfull], self.extra_blocks.get(rid, ())
+                )
+                if not b.is_null and b.ref_cnt == 1 and b.block_id not in self._busy
+            ]
+            rids.append(rid)
+            cand.extend(b.block_id for b in blocks)
+            indptr.append(len(cand))
+        self._dirty.clear()
+        if not cand:
+            return None
+        block_ids = np.asarray(cand, dtype=np.int32)
+        # Reserve the blocks running requests need for their next token.
+        growth = sum(
+            1
+            for rid, n in so.num_scheduled_tokens.items()
+            if (self._requests[rid].num_computed_tokens + n) % B == 0
+        )
+        plan = plan_blocks(
+            req_indptr=np.asarray(indptr, dtype=np.int64),
+            block_ids=block_ids,
+            block_live=self.pool.block_live[block_ids],
+            block_size=B,
+            threshold=self.cfg.kv_reclaim_threshold,
+            free_blocks=self.block_pool.get_num_free_blocks(),
+            margin=self.cfg.kv_reclaim_margin + growth,
+        )
+        self.counters.deferred_plans += plan.num_deferred
+        if len(plan.req_index) == 0:
+            return None
+        return self._bind(plan, rids)
+
+    def _bind(self, plan, rids: list[str]) -> MoveBatch | None:
+        """Take destination blocks and turn a block plan into slot moves."""
+        B = self.block_size
+        by_id = self.block_pool.blocks
+        out_rids, indptr, idx, src, dst = [], [0], [], [], []
+        sources: dict[str, list[KVCacheBlock]] = {}
+        for k, r in enumerate(plan.req_index):
+            rid = rids[r]
+            src_ids = plan.src_block_ids[plan.src_indptr[k] : plan.src_indptr[k + 1]]
+            dst_blocks = self.block_pool.get_new_blocks(int(plan.num_dst[k]))
+            self.extra_blocks.setdefault(rid, []).extend(dst_blocks)
+            m = pack_request(
+                live_idx=self.pool.live_idx(rid),
+                live_slots=self.pool.live_slots(rid),
+                src_block_ids=src_ids,
+                dst_block_ids=np.asarray([b.block_id for b in dst_blocks], np.int64),
+                block_size=B,
+            )
+            src_blocks = [by_id[int(b)] for b in src_ids]
+            if m.idx.size == 0:  # every token already dead: free right away
+                self._release_blocks(rid, src_blocks)
+                continue
+            sources[rid] = src_blocks
+            batch_id = self._next_batch_id
+            self._busy.update((int(b), batch_id) for b in src_ids)
+            self._busy.update((b.block_id, batch_id) for b in dst_blocks)
+            out_rids.append(rid)
+            idx.append(m.idx)
+            src.append(m.src_slots)
+            dst.append(m.dst_slots)
+            indptr.append(indptr[-1] + m.idx.size)
+        if not out_rids:
+            return None
+        batch = MoveBatch(
+            batch_id=self._next_batch_id,
+            req_ids=out_rids,
+            indptr=np.asarray(indptr, dtype=np.int64),
+            idx=np.concatenate(idx),
+            src_slots=np.concatenate(src),
+            dst_slots=np.concatenate(dst),
+        )
+        self._inflight[batch.batch_id] = (batch, sources)
+        self._next_batch_id += 1
+        return batch
+
+    # ------------------------------------------------------------ invariants
+    def check_integrity(self) -> None:
+        """DESIGN.md §4, across the Token Tables and vLLM's block pool."""
+        ref = np.fromiter(
+            (b.ref_cnt for b in self.block_pool.blocks), dtype=np.int64
+        )
+        self.pool.check_integrity(block_ref_cnt=ref)
+        B = self.block_size
+        holders = np.zeros_like(ref)
+        for rid, blocks in self._type_mgr.req_to_blocks.items():
+            ids = [b.block_id for b in blocks if not b.is_null]
+            ids += [b.block_id for b in self.extra_blocks.get(rid, ())]
+            np.add.at(holders, np.asarray(ids, dtype=np.int64), 1)
+            if rid in self.pool:
+                held = np.zeros(len(ref), dtype=bool)
+                held[ids] = True
+                live_blocks = self.pool.live_slots(rid) // B
+                assert held[live_blocks].all(), (
+                    f"request {rid}: a live token sits in a block it does not hold"
+                )
+        for rid in self.extra_blocks:
+            assert rid in self._type_mgr.req_to_blocks, f"{rid}: extra blocks leaked"
+        holders[0] = ref[0]  # the null block's ref_cnt is not maintained
+        assert (holders == ref).all(), (
+            "block ref counts differ from the holders: "
+            f"{np.flatnonzero(holders != ref)[:8].tolist()}"
+        )
+        free = self.block_pool.get_num_free_blocks()
+        assert free + int((ref[1:] > 0).sum()) == len(ref) - 1, (
+            f"free ({free}) + held != total ({len(ref) - 1})"
+        )

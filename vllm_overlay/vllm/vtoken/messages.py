@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What vToken sends between the scheduler and the worker each step.
+
+Scheduler -> worker: `VTokenStep`, on `SchedulerOutput.vtoken` (newly dead tokens
+and at most one batch of KV moves). Worker -> scheduler: `VTokenWorkerOutput`, on
+`ModelRunnerOutput.vtoken_output` (move batches whose copy completed, and the
+attention-score accumulator that H2O and Scissorhands read).
+
+Both are fresh objects every step and never mutated after the hand-off: with one
+worker they pass by reference; with several they are pickled, and numpy arrays
+travel out of band.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vllm.vtoken.scores import ScoreAccumulator
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoveBatch:
+    """KV moves planned in one step; the worker acknowledges them as a whole.
+
+    Request r's moves are entries [indptr[r], indptr[r + 1]) of the flat arrays.
+    """
+
+    batch_id: int
+    req_ids: list[str]
+    indptr: np.ndarray  # int64 [num_reqs + 1]
+    idx: np.ndarray  # int64 [num_moves]: logical token index
+    src_slots: np.ndarray  # int64 [num_moves]
+    dst_slots: np.ndarray  # int64 [num_moves]
+
+    def per_request(self):
+        """Yields (req_id, idx, src_slots, dst_slots) for each request."""
+        for r, req_id in enumerate(self.req_ids):
+            lo, hi = self.indptr[r], self.indptr[r + 1]
+            yield req_id, self.idx[lo:hi], self.src_slots[lo:hi], self.dst_slots[lo:hi]
+
+    def __repr__(self) -> str:  # SchedulerOutput is logged on engine errors
+        return f"MoveBatch(id={self.batch_id}, reqs={len(self.req_ids)}, moves={len(self.idx)})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VTokenStep:
+    """Scheduler -> worker control plane for one step."""
+
+    dead: dict[str, np.ndarray] = field(default_factory=dict)  # req -> idx int64
+    moves: MoveBatch | None = None
+
+    def __repr__(self) -> str:
+        n = sum(len(v) for v in self.dead.values())
+        return f"VTokenStep(dead={n}, moves={self.moves!r})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VTokenWorkerOutput:
+    """Worker -> scheduler: completed move batches, attention scores."""
+
+    acked_batches: list[int] = field(default_factory=list)
+    copy_bytes: int = 0  # running total of KV bytes the worker's moves wrote
+    scores: ScoreAccumulator | None = None

@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vToken's worker side: the slot map attention reads, and the KV moves.
+
+`VTokenWorker` is what the patched model runner calls, once per step:
+
+  begin_step         (in _update_states) forget finished requests, re-slot
+                     resumed ones, apply the scheduler's dead lists, submit the
+                     step's move batch to the copy executor, and switch the
+                     tokens of every completed batch to their new slots;
+  prepare_attention  (after _prepare_inputs) append the step's tokens at their
+                     positional slots and publish, per batch row, the live slots
+                     in logical order (query tokens last) for attention;
+  end_step           (building ModelRunnerOutput) fold this step's attention
+                     scores, clear the read state, acknowledge completed batches.
+
+The worker keeps its own Token Tables, fed by the same messages as the
+scheduler's, so with several workers nothing but those messages is shared.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vllm.vtoken.context import TokenRead, set_token_read
+from vllm.vtoken.copy_executor import KVCopyExecutor
+from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
+from vllm.vtoken.policies import POLICIES
+from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.token_table import TokenTablePool
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+
+class VTokenWorker:
+    def __init__(self, vllm_config: VllmConfig, kv_caches: list[torch.Tensor]) -> None:
+        cfg = vllm_config.vtoken_config
+        self.block_size = B = vllm_config.cache_config.block_size
+        device = kv_caches[0].device
+        num_blocks = kv_caches[0].shape[1 if device.type == "cpu" else 0]
+        self.pool = TokenTablePool(num_blocks, B)
+        mode = POLICIES[cfg.kv_eviction_policy].score_mode
+        self.scores = (
+            ScoreAccumulator(num_blocks * B, mode, device=device) if mode else None
+        )
+        layout = "cpu" if device.type == "cpu" else "triton"
+        self.executor = KVCopyExecutor(kv_caches, layout, B, scores=self.scores)
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        # Scores are summed over layers and query heads; normalise to a mean.
+        self._score_norm = float(
+            len(kv_caches) * model.get_num_attention_heads(parallel)
+        )
+        self._pending: dict[int, MoveBatch] = {}
+        self._acked: list[int] = []
+        self._acked_bytes = 0
+        self._read: TokenRead | None = None
+        self._device = device
+
+    def begin_step(self, so: SchedulerOutput) -> None:
+        pool = self.pool
+        pending_reqs = {r for b in self._pending.values() for r in b.req_ids}
+        gone = so.finished_req_ids | (so.preempted_req_ids or set())
+        if pending_reqs & gone:
+            # Their blocks may be handed out again this step: copies first.
+            self.executor.wait_all()
+        for rid in so.finished_req_ids:
+            if rid in pool:
+                pool.release(rid)
+        for rid in so.scheduled_cached_reqs.resumed_req_ids:
+            if rid in pool:
+                pool.reset_slots(rid)
+        step = so.vtoken
+        if step is not None:
+            for rid, idx in step.dead.items():
+                pool.evict(rid, idx)
+            if step.moves is not None:
+                m = step.moves
+                self._pending[m.batch_id] = m
+                self.executor.submit(m.batch_id, m.src_slots, m.dst_slots)
+        self._switch_completed()
+
+    def _switch_completed(self) -> None:
+        """The slot-map switch: only for batches whose copy has completed."""
+        for batch_id in self.executor.poll():
+            batch = self._pending.pop(batch_id)
+            for rid, idx, _, dst in batch.per_request():
+                if rid in self.pool and self.pool.num_slotted(rid) > 0:
+                    self.pool.remap(rid, idx, dst)
+            self._acked.append(batch_id)
+
+    def prepare_attention(
+        self,
+        input_batch: InputBatch,
+        requests: dict[str, CachedRequestState],
+        num_scheduled: np.ndarray,
+    ) -> None:
+        """Slot the step's tokens and publish the live slots for attention."""
+        B = self.block_size
+        num_reqs = input_batch.num_reqs
+        slot_mapping = input_batch.block_table[0].slot_mapping.np
+        computed = input_batch.num_computed_tokens_cpu[:num_reqs]
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_scheduled[:num_reqs], out=qsl[1:])
+        kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
+        kv = []
+        for i, rid in enumerate(input_batch.req_ids[:num_reqs]):
+            if rid not in self.pool:
+                self.pool.add_request(rid)
+            start = self.pool.num_slotted(rid)
+            nc = int(computed[i])
+            new = slot_mapping[qsl[i] : qsl[i + 1]].astype(np.int64)
+            if start < nc:  # prefix-cache hits: slotted from the block table
+                ids = np.asarray(requests[rid].block_ids[0], dtype=np.int64)
+                pos = np.arange(start, nc, dtype=np.int64)
+                new = np.concatenate([ids[pos // B] * B + pos % B, new])
+            self.pool.append(rid, new)
+            if self.scores is not None:
+                self.scores.reset(torch.from_numpy(new).to(self._device))
+            live = self.pool.live_slots(rid)
+            kv.append(live)
+            kv_indptr[i + 1] = kv_indptr[i] + live.size
+        kv_slots = torch.from_numpy(np.concatenate(kv)).to(self._device)
+        self._read = TokenRead(
+            query_start_loc=qsl,
+            kv_indptr=kv_indptr,
+            kv_slots=kv_slots,
+            scores=self.scores,
+        )
+        set_token_read(self._read)
+
+    def end_step(self) -> VTokenWorkerOutput:
+        read, self._read = self._read, None
+        set_token_read(None)
+        if read is not None and self.scores is not None:
+            for r in range(len(read.kv_indptr) - 1):
+                lo, hi = read.kv_indptr[r], read.kv_indptr[r + 1]
+                nq = int(read.query_start_loc[r + 1] - read.query_start_loc[r])
+                self.scores.finish_step(read.kv_slots[lo:hi], nq, self._score_norm)
+        self._switch_completed()
+        acked, self._acked = self._acked, []
+        return VTokenWorkerOutput(
+            acked_batches=acked,
+            copy_bytes=self.executor.bytes_copied,
+            scores=self.scores,
+        )
