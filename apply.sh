@@ -153,7 +153,7 @@ for p in "${entries[@]}"; do
     fi
     die "$p does not apply cleanly to $dir (zero fuzz); nothing changed"
   fi
-  if grep -q -E '^Hunk .* (with fuzz|offset)' <<<"$out"; then
+  if grep -q -E '^Hunk .*(fuzz|offset)' <<<"$out"; then
     echo "$out" >&2; die "$p applies only with offset or fuzz: refresh it with quilt; nothing changed"
   fi
   [ "$check" = 1 ] && say "ok  $p"

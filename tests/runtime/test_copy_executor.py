@@ -1,0 +1,329 @@
+"""KVCopyExecutor: every moved token reads back bit-exact through its new slot.
+
+CPU tests run the synchronous torch path for both layouts; the Triton kernel is
+checked on CPU tensors under TRITON_INTERPRET=1 (in a child process, so the
+interpreter never leaks into other tests); `gpu` tests check stream ordering.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from vllm.vtoken.copy_executor import KVCopyExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFTEST = os.path.join(os.path.dirname(HERE), "conftest.py")
+
+
+def make_caches(
+    layout,
+    num_layers=3,
+    num_blocks=6,
+    heads=2,
+    block=16,
+    head_dim=8,
+    dtype=torch.float32,
+    device="cpu",
+    seed=0,
+):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (
+        (2, num_blocks, heads, block, head_dim)
+        if layout == "cpu"
+        else (num_blocks, 2, block, heads, head_dim)
+    )
+    return [
+        torch.randn(shape, generator=gen).to(dtype).to(device)
+        for _ in range(num_layers)
+    ]
+
+
+def read_slots(cache, layout, slots):
+    """K and V of `slots` as [M, 2, H, D], by the layout's index math."""
+    slots = torch.as_tensor(slots, device=cache.device)
+    if layout == "cpu":
+        _, n, h, b, d = cache.shape
+        key = cache[0].view(n, h, d, b).permute(0, 3, 1, 2)  # [N, B, H, D]
+        value = cache[1].permute(0, 2, 1, 3)
+    else:
+        b = cache.shape[2]
+        key, value = cache[:, 0], cache[:, 1]
+    blk, off = slots // b, slots % b
+    return torch.stack([key[blk, off], value[blk, off]], dim=1)
+
+
+def as_bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def make_plan(rng, num_slots, block, num_moves):
+    """Sources in some blocks, destinations in other (fresh) blocks."""
+    blocks = rng.permutation(num_slots // block)
+    half = len(blocks) // 2
+    src_pool = (blocks[:half, None] * block + np.arange(block)).ravel()
+    dst_pool = (blocks[half:, None] * block + np.arange(block)).ravel()
+    src = rng.choice(src_pool, num_moves, replace=False)
+    dst = rng.choice(dst_pool, num_moves, replace=False)
+    return src.astype(np.int64), dst.astype(np.int64)
+
+
+class FakeScores:
+    def __init__(self):
+        self.moves = []
+
+    def add(self, slots, mass):
+        raise AssertionError("the executor never adds scores")
+
+    def move(self, src, dst):
+        self.moves.append((src.tolist(), dst.tolist()))
+
+
+def check_plan_applied(before, after, layout, src, dst):
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(
+            as_bytes(read_slots(new, layout, dst)),
+            as_bytes(read_slots(old, layout, src)),
+        )
+        expected = old.clone()
+        # Write the expected destinations with the test's own index math.
+        moved = read_slots(old, layout, src)
+        d = torch.as_tensor(dst)
+        b = old.shape[3] if layout == "cpu" else old.shape[2]
+        blk, off = d // b, d % b
+        if layout == "cpu":
+            n, h, dim = old.shape[1], old.shape[2], old.shape[4]
+            expected[0].view(n, h, dim, b).permute(0, 3, 1, 2)[blk, off] = moved[:, 0]
+            expected[1].permute(0, 2, 1, 3)[blk, off] = moved[:, 1]
+        else:
+            expected[blk, 0, off] = moved[:, 0]
+            expected[blk, 1, off] = moved[:, 1]
+        assert torch.equal(as_bytes(new), as_bytes(expected))  # nothing else moved
+
+
+@pytest.mark.parametrize("layout", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_random_plans_move_bytes_exactly(layout, dtype):
+    rng = np.random.default_rng(7)
+    block = 16
+    caches = make_caches(layout, dtype=dtype, block=block)
+    scores = FakeScores()
+    ex = KVCopyExecutor(caches, layout, block, scores=scores)
+    total = 0
+    for batch_id in range(5):
+        src, dst = make_plan(rng, 6 * block, block, int(rng.integers(1, 20)))
+        before = [c.clone() for c in caches]
+        ex.submit(batch_id, src, dst)
+        assert ex.poll() == [batch_id]
+        assert ex.poll() == []  # each id once
+        check_plan_applied(before, caches, layout, src, dst)
+        assert scores.moves[-1] == (src.tolist(), dst.tolist())
+        total += len(src) * 3 * 2 * 2 * 8 * caches[0].element_size()
+        assert ex.bytes_copied == total
+
+
+def test_cross_layer_triton_layout_with_strides():
+    # KV connectors may allocate [N, L, 2, B, H, D] and hand out per-layer slices.
+    block, heads, head_dim = 16, 2, 4
+    base = torch.randn(5, 2, 2, block, heads, head_dim)
+    caches = [base[:, layer] for layer in range(2)]
+    assert not caches[0].is_contiguous()
+    before = [c.clone() for c in caches]
+    src, dst = np.array([3, 17, 20]), np.array([64, 65, 79])
+    ex = KVCopyExecutor(caches, "triton", block)
+    ex.submit(1, src, dst)
+    assert ex.poll() == [1]
+    check_plan_applied(before, caches, "triton", src, dst)
+
+
+def test_empty_batch_is_reported():
+    caches = make_caches("cpu")
+    before = [c.clone() for c in caches]
+    ex = KVCopyExecutor(caches, "cpu", 16)
+    ex.submit(3, np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+    ex.submit(4, [], [])
+    assert ex.poll() == [3, 4]
+    assert ex.bytes_copied == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
+    ex.wait_all()  # nothing pending: a no-op on CPU
+
+
+@pytest.mark.parametrize(
+    "src,dst,match",
+    [
+        ([1, 2], [40], "equal length"),
+        ([[1]], [[40]], "1-D"),
+        ([-1], [40], "out of range"),
+        ([1], [96], "out of range"),
+        ([1, 2], [40, 40], "duplicate destination"),
+        ([1, 40], [40, 41], "also a source"),
+        ([1.0], [40.0], "integers"),
+    ],
+)
+def test_bad_plans_raise_and_copy_nothing(src, dst, match):
+    caches = make_caches("cpu")
+    before = [c.clone() for c in caches]
+    ex = KVCopyExecutor(caches, "cpu", 16)
+    with pytest.raises(ValueError, match=match):
+        ex.submit(0, np.array(src), np.array(dst))
+    assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
+    assert ex.poll() == [] and ex.bytes_copied == 0
+
+
+def test_batch_id_reused_before_report_raises():
+    ex = KVCopyExecutor(make_caches("cpu"), "cpu", 16)
+    ex.submit(5, np.array([1]), np.array([40]))
+    with pytest.raises(ValueError, match="not yet reported"):
+        ex.submit(5, np.array([2]), np.array([41]))
+    assert ex.poll() == [5]
+    ex.submit(5, np.array([2]), np.array([41]))  # fine once reported
+    assert ex.poll() == [5]
+
+
+def test_bad_caches_raise():
+    cpu = make_caches("cpu")
+    with pytest.raises(ValueError, match="layout"):
+        KVCopyExecutor(cpu, "flash", 16)
+    with pytest.raises(ValueError, match="no KV caches"):
+        KVCopyExecutor([], "cpu", 16)
+    with pytest.raises(ValueError, match="does not match"):
+        KVCopyExecutor(cpu, "cpu", 32)
+    with pytest.raises(ValueError, match="does not match"):
+        KVCopyExecutor(cpu, "triton", 16)  # [2, N, H, B, D] is not [N, 2, B, H, D]
+    with pytest.raises(ValueError, match="share"):
+        KVCopyExecutor([cpu[0], cpu[1][:, :3].clone()], "cpu", 16)
+    square = make_caches("cpu", head_dim=16)  # B == D: same shape when transposed
+    with pytest.raises(ValueError, match="contiguous"):
+        KVCopyExecutor([c.transpose(3, 4) for c in square], "cpu", 16)
+
+
+_INTERP_CHILD = textwrap.dedent("""
+    import runpy, sys
+    runpy.run_path(sys.argv[1])  # tests/conftest.py: use this checkout's overlay
+    import numpy as np, torch
+    from vllm.vtoken.copy_executor import KVCopyExecutor
+    from vllm.vtoken.kv_copy_triton import TritonKVSlotCopier
+
+    def check(shape, dtype, slices=None):
+        gen = torch.Generator().manual_seed(len(shape))
+        full = (torch.randn(shape, generator=gen) * 50).to(dtype)
+        if slices is None:
+            caches = [full[0].clone(), full[1].clone()]
+        else:
+            caches = [full[:, 0], full[:, 1]]  # cross-layer strided slices
+        block = caches[0].shape[2]
+        src = torch.tensor([0, 5, block + 3, 2 * block - 1])
+        dst = torch.tensor([3 * block, 3 * block + 7, 4 * block - 1, 2 * block])
+        ref = [c.clone() for c in caches]
+        KVCopyExecutor(ref, "triton", block).submit(0, src.numpy(), dst.numpy())
+        copier = TritonKVSlotCopier(caches, block)
+        copier.copy(src, dst)
+        for got, want in zip(caches, ref):
+            assert torch.equal(got.contiguous().view(torch.uint8),
+                               want.contiguous().view(torch.uint8)), shape
+        return copier.word_bytes
+
+    assert check((2, 4, 2, 16, 2, 8), torch.float32) == 4
+    assert check((2, 4, 2, 16, 2, 8), torch.bfloat16) == 4
+    assert check((2, 4, 2, 16, 1, 3), torch.float16) == 2   # 6-byte rows
+    assert check((2, 4, 2, 16, 1, 5), torch.uint8) == 1     # fp8-style caches
+    assert check((4, 2, 2, 16, 2, 8), torch.bfloat16, slices=True) == 4
+    print("KV-COPY-OK")
+""")
+
+
+def test_triton_copy_kernel_matches_torch_path_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERP_CHILD, CONFTEST],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "KV-COPY-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------- GPU: streams
+def _busy_current_stream(cycles=1_000_000_000):
+    # Keeps the current stream busy (~0.5 s) so copies queued behind it wait.
+    torch.cuda._sleep(cycles)
+
+
+def _warm_up(ex):
+    # Creates the side stream and compiles the kernel outside the timed part.
+    ex.submit(-1, np.array([1023]), np.array([1022]))
+    torch.cuda.synchronize()
+    assert ex.poll() == [-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_gpu_copy_waits_for_writes_on_current_stream(use_triton):
+    caches = make_caches("triton", num_blocks=64, device="cuda")
+    ex = KVCopyExecutor(caches, "triton", 16, use_triton=use_triton)
+    _warm_up(ex)
+    src, dst = np.arange(0, 32), np.arange(512, 544)
+    _busy_current_stream()
+    for c in caches:  # a "forward" writes the sources after the sleep
+        c[:2].fill_(7.0)
+    ex.submit(0, src, dst)
+    assert ex.poll() == []  # side stream waits behind the busy current stream
+    torch.cuda.synchronize()
+    assert ex.poll() == [0] and ex.poll() == []
+    for c in caches:
+        assert torch.all(read_slots(c, "triton", dst) == 7.0)
+
+
+@pytest.mark.gpu
+def test_gpu_wait_all_orders_current_stream_after_copy():
+    caches = make_caches("triton", num_blocks=64, device="cuda")
+    ex = KVCopyExecutor(caches, "triton", 16)
+    _warm_up(ex)
+    before = [c.clone() for c in caches]
+    src, dst = np.arange(0, 30), np.arange(600, 630)
+    _busy_current_stream()
+    ex.submit(1, src, dst)
+    ex.submit(2, np.arange(100, 110), np.arange(700, 710))
+    ex.wait_all()  # must not block the host
+    assert torch.cuda.current_stream().query() is False
+    # Queued after wait_all on the current stream: must see the copied data.
+    snap = [read_slots(c, "triton", dst).clone() for c in caches]
+    assert ex.poll() == [1, 2] and ex.poll() == []
+    torch.cuda.synchronize()
+    for old, got in zip(before, snap, strict=True):
+        assert torch.equal(got, read_slots(old, "triton", src))
+
+
+@pytest.mark.gpu
+def test_gpu_scores_move_when_batch_completes():
+    caches = make_caches("triton", num_blocks=64, device="cuda")
+    scores = FakeScores()
+    ex = KVCopyExecutor(caches, "triton", 16, scores=scores)
+    _warm_up(ex)
+    scores.moves.clear()
+    _busy_current_stream()
+    ex.submit(3, np.array([5, 6]), np.array([900, 901]))
+    assert scores.moves == []  # not before the copy has landed
+    torch.cuda.synchronize()
+    assert ex.poll() == [3]
+    assert scores.moves == [([5, 6], [900, 901])]
+
+
+@pytest.mark.gpu
+def test_gpu_triton_kernel_equals_torch_path():
+    rng = np.random.default_rng(3)
+    a = make_caches("triton", num_blocks=64, dtype=torch.bfloat16, device="cuda")
+    b = [c.clone() for c in a]
+    src, dst = make_plan(rng, 64 * 16, 16, 300)
+    ex_a = KVCopyExecutor(a, "triton", 16, use_triton=True)
+    ex_b = KVCopyExecutor(b, "triton", 16, use_triton=False)
+    ex_a.submit(0, src, dst)
+    ex_b.submit(0, src, dst)
+    ex_a.wait_all()
+    ex_b.wait_all()
+    torch.cuda.synchronize()
+    assert all(torch.equal(as_bytes(x), as_bytes(y)) for x, y in zip(a, b, strict=True))

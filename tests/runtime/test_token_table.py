@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TokenTablePool: exact slots, both views in step, validation before mutation."""
+
+import numpy as np
+import pytest
+
+from vllm.vtoken.token_table import TokenTablePool
+
+B = 4
+
+
+def make_pool(num_blocks: int = 16, **reqs: list[int]) -> TokenTablePool:
+    pool = TokenTablePool(num_blocks, B)
+    for rid, slots in reqs.items():
+        pool.add_request(rid)
+        pool.append(rid, np.asarray(slots))
+    return pool
+
+
+def snapshot(pool: TokenTablePool, rid: str):
+    return (
+        pool.block_live.copy(),
+        pool.slots(rid).copy(),
+        pool.live_idx(rid),
+        pool.num_live(rid),
+        pool.total_live(),
+    )
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_append_maps_slots_and_counts_blocks():
+    pool = make_pool(a=[12, 13, 14, 15, 40, 41], b=[8, 9])
+    np.testing.assert_array_equal(pool.slots("a"), [12, 13, 14, 15, 40, 41])
+    assert pool.slots("a").dtype == np.int32
+    assert pool.block_live[3] == 4 and pool.block_live[10] == 2
+    assert pool.block_live[2] == 2 and pool.block_live.sum() == 8
+    assert (pool.num_tokens("a"), pool.num_slotted("a"), pool.num_live("a")) == (6, 6, 6)
+    assert pool.total_live() == 8
+    pool.append("a", np.array([42]))
+    np.testing.assert_array_equal(pool.live_slots("a"), [12, 13, 14, 15, 40, 41, 42])
+    assert pool.block_live[10] == 3
+    assert sorted(pool.request_ids()) == ["a", "b"]
+    pool.check_integrity()
+
+
+def test_evict_flips_bits_and_block_counts():
+    pool = make_pool(a=[12, 13, 14, 15, 40, 41, 42, 43, 20])
+    out = pool.evict("a", np.array([5, 1, 3, 4, 7]))
+    np.testing.assert_array_equal(out, [1, 3, 4, 5, 7])
+    assert out.dtype == np.int64
+    np.testing.assert_array_equal(pool.live_idx("a"), [0, 2, 6, 8])
+    np.testing.assert_array_equal(pool.live_slots("a"), [12, 14, 42, 20])
+    np.testing.assert_array_equal(pool.dead_idx("a"), [1, 3, 4, 5, 7])
+    assert (pool.block_live[3], pool.block_live[10], pool.block_live[5]) == (2, 1, 1)
+    assert pool.num_live("a") == 4 and pool.total_live() == 4
+    assert pool.evict("a", np.array([], dtype=np.int64)).size == 0
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "idx, err",
+    [([0, 9], IndexError), ([-1], IndexError), ([2, 2], ValueError), ([1], ValueError)],
+)
+def test_evict_validates_before_mutating(idx, err):
+    pool = make_pool(a=[12, 13, 14, 15, 40, 41, 42, 43, 20])
+    pool.evict("a", np.array([1]))
+    before = snapshot(pool, "a")
+    with pytest.raises(err):
+        pool.evict("a", np.array([0, *idx]))
+    assert_same(before, snapshot(pool, "a"))
+    with pytest.raises(KeyError):
+        pool.evict("nope", np.array([0]))
+    with pytest.raises(ValueError):
+        pool.evict("a", np.array([0.0, 1.0]))
+
+
+def test_append_validates():
+    pool = make_pool(a=[0, 1])
+    before = snapshot(pool, "a")
+    for bad in ([5, 5], [-1], [16 * B], [[1, 2]]):
+        with pytest.raises(ValueError):
+            pool.append("a", np.array(bad))
+    assert_same(before, snapshot(pool, "a"))
+    with pytest.raises(KeyError):
+        pool.append("zz", np.array([3]))
+    with pytest.raises(ValueError):
+        pool.add_request("a")
+
+
+def test_remap_moves_live_counts_and_dead_tokens_count_nowhere():
+    pool = make_pool(a=[12, 13, 14, 15, 40, 41, 42, 43, 20])
+    pool.evict("a", np.array([1, 3, 4, 5, 7]))
+    # Plan moved tokens 0, 2, 6 into block 9; token 6 died before the ack.
+    pool.evict("a", np.array([6]))
+    pool.remap("a", np.array([6, 0, 2]), np.array([38, 36, 37]))
+    np.testing.assert_array_equal(
+        pool.slots("a"), [36, 13, 37, 15, 40, 41, 38, 43, 20]
+    )
+    np.testing.assert_array_equal(pool.live_slots("a"), [36, 37, 20])
+    assert pool.block_live[9] == 2 and pool.block_live[3] == 0
+    assert pool.block_live[10] == 0 and pool.block_live[5] == 1
+    pool.check_integrity()
+
+
+def test_remap_validates_before_mutating():
+    pool = make_pool(a=[0, 1, 2, 3])
+    before = snapshot(pool, "a")
+    cases = [
+        ([0, 1], [8], ValueError),  # length mismatch
+        ([0, 0], [8, 9], ValueError),  # repeated index
+        ([0, 1], [8, 8], ValueError),  # repeated slot
+        ([0, 4], [8, 9], IndexError),  # not slotted
+        ([0, 1], [8, 64], ValueError),  # slot out of range
+    ]
+    for idx, slots, err in cases:
+        with pytest.raises(err):
+            pool.remap("a", np.array(idx), np.array(slots))
+    assert_same(before, snapshot(pool, "a"))
+
+
+def test_reset_slots_keeps_liveness_and_resync_restores_counts():
+    pool = make_pool(a=[4, 5, 6, 7, 8, 9])
+    pool.evict("a", np.array([1, 4]))
+    pool.reset_slots("a")
+    assert pool.num_slotted("a") == 0 and pool.num_tokens("a") == 6
+    assert pool.block_live.sum() == 0 and pool.num_live("a") == 4
+    assert pool.live_idx("a").size == 0
+    np.testing.assert_array_equal(pool.dead_idx("a"), [1, 4])
+    pool.check_integrity()
+    # Recompute after preemption: known tokens keep their bits, 6 and 7 are new.
+    pool.append("a", np.array([20, 21, 22, 23, 24]))
+    pool.append("a", np.array([25, 26, 27]))
+    np.testing.assert_array_equal(pool.live_idx("a"), [0, 2, 3, 5, 6, 7])
+    np.testing.assert_array_equal(pool.live_slots("a"), [20, 22, 23, 25, 26, 27])
+    assert (pool.block_live[5], pool.block_live[6]) == (3, 3)
+    assert pool.num_tokens("a") == 8 and pool.num_live("a") == 6
+    pool.check_integrity()
+
+
+def test_release_returns_counts_and_forgets_request():
+    pool = make_pool(a=[4, 5, 6], b=[8, 9])
+    pool.evict("a", np.array([0]))
+    pool.release("a")
+    assert "a" not in pool and "b" in pool
+    assert pool.block_live.sum() == 2 and pool.total_live() == 2
+    with pytest.raises(KeyError):
+        pool.release("a")
+    pool.check_integrity()
+
+
+def test_tables_grow_by_doubling_past_the_initial_capacity():
+    pool = make_pool(num_blocks=64)
+    pool.add_request("a")
+    for start in range(0, 200, 7):
+        pool.append("a", np.arange(start, min(start + 7, 200)))
+    np.testing.assert_array_equal(pool.slots("a"), np.arange(200))
+    np.testing.assert_array_equal(pool.block_live[:50], np.full(50, 4))
+    assert pool.num_live("a") == 200
+    pool.check_integrity()
+
+
+def test_check_integrity_names_each_violation():
+    pool = make_pool(a=[4, 5], b=[8, 9])
+    pool.block_live[1] += 1
+    with pytest.raises(AssertionError, match="block_live != recount"):
+        pool.check_integrity()
+    pool.block_live[1] -= 1
+    pool.check_integrity()
+    # b's token 0 claims a's live slot 4: owned twice (block 1 not shared).
+    pool.remap("b", np.array([0]), np.array([4]))
+    with pytest.raises(AssertionError, match="owned by two requests"):
+        pool.check_integrity()
+    ref = np.zeros(16, dtype=np.int64)
+    ref[[1, 2]] = 1
+    with pytest.raises(AssertionError, match="unshared blocks"):
+        pool.check_integrity(block_ref_cnt=ref)
+    ref[1] = 2  # a prefix-cache block shared by both requests
+    pool.check_integrity(block_ref_cnt=ref)
+    ref[2] = 0  # b's token 1 sits in block 2, which the block pool calls free
+    with pytest.raises(AssertionError, match="live tokens in free blocks"):
+        pool.check_integrity(block_ref_cnt=ref)
+
+
+def test_check_integrity_catches_a_slot_used_twice_within_a_request():
+    pool = make_pool(a=[4, 5, 6])
+    pool.remap("a", np.array([2]), np.array([5]))  # remap cannot see the clash
+    with pytest.raises(AssertionError, match="a slot used twice"):
+        pool.check_integrity()

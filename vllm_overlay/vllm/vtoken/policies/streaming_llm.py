@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""StreamingLLM eviction policy adapter (scheduler side)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm.vtoken.policies import base
+
+
+@base.register_policy
+class StreamingLLMPolicy(base.EvictionPolicy):
+    """Attention sinks plus a sliding window of the most recent tokens.
+
+    Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
+    ICLR 2024, arXiv 2309.17453. The first `num_sinks` logical tokens are kept;
+    every other evictable token goes oldest first, so the live set is the sinks
+    plus the most recent (budget - num_sinks) tokens. Needs no scores.
+
+    Knobs:
+        num_sinks: attention-sink tokens (logical positions 0..num_sinks-1),
+            an int in [0, budget); default 4, as in the paper.
+    """
+
+    name = "streamingllm"
+    defaults = {"num_sinks": 4}
+
+    def _validate(self) -> None:
+        self.num_sinks = self._int("num_sinks", 0)
+        if self.num_sinks >= self.budget:
+            raise ValueError(
+                f"streamingllm: num_sinks ({self.num_sinks}) must be < budget "
+                f"({self.budget})"
+            )
+
+    def evict_token(self, req: base.RequestView, num_evict: int) -> np.ndarray:
+        sinks = req.live_idx < self.num_sinks
+        return base.select_lowest(req, num_evict, req.live_idx, sinks)
