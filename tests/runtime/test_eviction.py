@@ -85,7 +85,9 @@ def test_score_policies_read_scores_of_live_slots():
         seen["slots"] = slots.tolist()
         return np.where(slots == 13, 0.0, 1.0 + slots / 100).astype(np.float32)
 
-    rt = make_runtime(create_policy("h2o", 4, {"recent_ratio": 0.25}), 4, score_source=source)
+    rt = make_runtime(
+        create_policy("h2o", 4, {"recent_ratio": 0.25}), 4, score_source=source
+    )
     rt.sync_new_tokens("a", np.array([9, 13, 10, 30, 31, 12]))
     rt.pool.evict("a", np.array([2]))
     out = rt.enforce_budget("a", 6)
@@ -190,8 +192,12 @@ def test_attention_mass_reference_matches_loop(lq, lk, hq, hkv):
 def test_h2o_through_accumulator_evicts_least_attended_token():
     pool = TokenTablePool(8, B)
     acc = ScoreAccumulator(32, "sum")
-    rt = EvictionRuntime(pool, create_policy("h2o", 4, {"recent_ratio": 0.25}), 4,
-                         score_source=acc.scores)
+    rt = EvictionRuntime(
+        pool,
+        create_policy("h2o", 4, {"recent_ratio": 0.25}),
+        4,
+        score_source=acc.scores,
+    )
     rt.sync_new_tokens("a", np.array([20, 21, 22, 23, 4]))
     k = torch.zeros(5, 1, 2)
     k[:, 0, 0] = torch.tensor([3.0, 1.0, -4.0, 2.0, 0.0])

@@ -64,9 +64,7 @@ def test_threshold_is_strict_and_selects_candidates():
     assert plan([[(1, 2), (2, 2)]], threshold=0.5).req_index.size == 0
     assert as_lists(plan([[(1, 2), (2, 2)]], threshold=0.51)) == [(0, [1, 2], 1)]
     # Only blocks under 0.3 qualify: 1 and 6 (1 live each), not 2 (3 live).
-    assert as_lists(plan([[(1, 1), (2, 3), (6, 1)]], threshold=0.3)) == [
-        (0, [1, 6], 1)
-    ]
+    assert as_lists(plan([[(1, 1), (2, 3), (6, 1)]], threshold=0.3)) == [(0, [1, 6], 1)]
 
 
 def test_all_dead_blocks_need_no_destination_even_under_margin():
@@ -134,7 +132,9 @@ def test_matches_loop_reference(seed):
     per_req, at = [], 0
     for _ in range(rng.integers(1, 12)):
         n = int(rng.integers(0, 15))
-        per_req.append([(int(b), int(rng.integers(0, B + 1))) for b in ids[at : at + n]])
+        per_req.append(
+            [(int(b), int(rng.integers(0, B + 1))) for b in ids[at : at + n]]
+        )
         at += n
     threshold = float(rng.choice([0.3, 0.5, 0.75, 1.0]))
     free, margin = int(rng.integers(0, 12)), int(rng.integers(0, 4))
@@ -200,7 +200,9 @@ def test_pack_request_rejects_what_cannot_work():
     with pytest.raises(ValueError, match="do not fit"):
         pack_request(src_block_ids=np.array([0, 1]), dst_block_ids=np.array([5]), **kw)
     with pytest.raises(ValueError, match="also a source"):
-        pack_request(src_block_ids=np.array([0, 1]), dst_block_ids=np.array([1, 2]), **kw)
+        pack_request(
+            src_block_ids=np.array([0, 1]), dst_block_ids=np.array([1, 2]), **kw
+        )
     with pytest.raises(ValueError):
         pack_request(
             live_idx=np.arange(3),

@@ -38,7 +38,7 @@ def test_append_maps_slots_and_counts_blocks():
     assert pool.slots("a").dtype == np.int32
     assert pool.block_live[3] == 4 and pool.block_live[10] == 2
     assert pool.block_live[2] == 2 and pool.block_live.sum() == 8
-    assert (pool.num_tokens("a"), pool.num_slotted("a"), pool.num_live("a")) == (6, 6, 6)
+    assert pool.num_tokens("a") == pool.num_slotted("a") == pool.num_live("a") == 6
     assert pool.total_live() == 8
     pool.append("a", np.array([42]))
     np.testing.assert_array_equal(pool.live_slots("a"), [12, 13, 14, 15, 40, 41, 42])
@@ -97,9 +97,7 @@ def test_remap_moves_live_counts_and_dead_tokens_count_nowhere():
     # Plan moved tokens 0, 2, 6 into block 9; token 6 died before the ack.
     pool.evict("a", np.array([6]))
     pool.remap("a", np.array([6, 0, 2]), np.array([38, 36, 37]))
-    np.testing.assert_array_equal(
-        pool.slots("a"), [36, 13, 37, 15, 40, 41, 38, 43, 20]
-    )
+    np.testing.assert_array_equal(pool.slots("a"), [36, 13, 37, 15, 40, 41, 38, 43, 20])
     np.testing.assert_array_equal(pool.live_slots("a"), [36, 37, 20])
     assert pool.block_live[9] == 2 and pool.block_live[3] == 0
     assert pool.block_live[10] == 0 and pool.block_live[5] == 1

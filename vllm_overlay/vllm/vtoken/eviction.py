@@ -58,8 +58,14 @@ class EvictionRuntime:
         self.seed = int(seed)
         self.score_source = score_source
         self._rngs: dict[str, np.random.Generator] = {}
+        # Building a view costs O(tokens); skip it for the default no-op hook.
+        self._policy_syncs = (
+            type(policy).sync_new_tokens is not EvictionPolicy.sync_new_tokens
+        )
 
-    def sync_new_tokens(self, req_id: str, slots: np.ndarray) -> None:
+    def sync_new_tokens(
+        self, req_id: str, slots: np.ndarray, rng_key: str | None = None
+    ) -> None:
         """Slots the next tokens of a request and tells the policy about new ones.
 
         Registers the request on its first call. Tokens re-slotted after a
@@ -70,14 +76,17 @@ class EvictionRuntime:
         Args:
             req_id: The request.
             slots: Integer [n] slots of logical tokens [num_slotted, num_slotted + n).
+            rng_key: Seeds the request's generator on its first call instead of
+                its id (engine request ids carry a random suffix; a key derived
+                from the prompt makes runs reproducible).
         """
         if req_id not in self.pool:
             self.pool.add_request(req_id)
-            self._rngs[req_id] = request_rng(self.seed, req_id)
+            self._rngs[req_id] = request_rng(self.seed, rng_key or req_id)
         before = self.pool.num_tokens(req_id)
         self.pool.append(req_id, slots)
         num_new = self.pool.num_tokens(req_id) - before
-        if num_new > 0:
+        if num_new > 0 and self._policy_syncs:
             view = self._view(req_id, before, with_scores=False)
             self.policy.sync_new_tokens(view, num_new)
 

@@ -21,6 +21,7 @@ Per step (all in the scheduler process, before the worker runs):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from collections.abc import Iterable
@@ -82,11 +83,18 @@ class VTokenScheduler:
         self._next_batch_id = 0
         self._dead: dict[str, list[np.ndarray]] = {}
         self._dirty: set[str] = set()  # evicted since last planned
+        # Dead tokens a resumed request recomputes this step, by request: their
+        # blocks may be freed once the forward that rewrites them has run.
+        self._recomputed_dead: dict[str, np.ndarray] = {}
         self.counters = VTokenCounters()
 
     # ------------------------------------------------------------ step hooks
     def begin_step(self, running: Iterable[Request]) -> None:
         """Enforce budgets on running requests; free blocks left fully dead."""
+        for rid, dead in self._recomputed_dead.items():
+            if rid in self.pool and self.pool.num_slotted(rid) > 0:
+                self._free_empty_blocks(rid, dead)
+        self._recomputed_dead = {}
         for req in running:
             rid = req.request_id
             # Never evict during a (chunked) prefill, nor before the table knows
@@ -151,6 +159,7 @@ class VTokenScheduler:
         self._drop_blocks(rid)
         self._dead.pop(rid, None)
         self._dirty.discard(rid)
+        self._recomputed_dead.pop(rid, None)
 
     # ------------------------------------------------------------ internals
     def _read_scores(self, slots: np.ndarray) -> np.ndarray:
@@ -166,6 +175,13 @@ class VTokenScheduler:
         start = self.pool.num_slotted(rid) if rid in self.pool else 0
         if upto <= start:
             return
+        if rid in self.pool and start < self.pool.num_tokens(rid):
+            # Resumed after preemption: dead tokens get recomputed too.
+            dead = self.pool.dead_idx(rid)
+            dead = dead[(dead >= start) & (dead < upto)]
+            if dead.size:
+                self._recomputed_dead[rid] = dead
+                self._dirty.add(rid)
         B = self.block_size
         first, last = start // B, (upto - 1) // B
         ids = np.fromiter(
@@ -175,11 +191,19 @@ class VTokenScheduler:
         )
         pos = np.arange(start, upto, dtype=np.int64)
         slots = ids[pos // B - first] * B + pos % B
-        self.runtime.sync_new_tokens(rid, slots)
+        key = None
+        if rid not in self.pool:
+            # Same prompt and seed, same random draws, whatever the request id.
+            prompt = np.asarray(self._requests[rid].prompt_token_ids, np.int64)
+            key = hashlib.sha256(prompt.tobytes()).hexdigest()
+        self.runtime.sync_new_tokens(rid, slots, rng_key=key)
 
     def _free_empty_blocks(self, rid: str, dead: np.ndarray) -> None:
         """Free blocks of `rid` whose last live token just died (Naive-Evict)."""
         B = self.block_size
+        # Only blocks every token of which has been written: a block still
+        # being filled (e.g. by a chunked recompute) may get live tokens yet.
+        dead = dead[dead < self.pool.num_slotted(rid) // B * B]
         slots = self.pool.slots(rid)[dead]
         empty = {int(b) for b in np.unique(slots // B) if self.pool.block_live[b] == 0}
         empty -= self._busy.keys()
@@ -235,10 +259,11 @@ class VTokenScheduler:
         """Greedy compaction of under-used blocks, within the free-block margin."""
         B = self.block_size
         rids, indptr, cand = [], [0], []
-        for rid in self._dirty:
+        for rid in list(self._dirty):
             req = self._requests.get(rid)
             if req is None or rid not in so.num_scheduled_tokens:
-                continue
+                continue  # stays dirty until it runs again
+            self._dirty.discard(rid)
             # Full blocks written before this step; the tail is being filled.
             nfull = req.num_computed_tokens // B
             blocks = [
@@ -251,7 +276,6 @@ class VTokenScheduler:
             rids.append(rid)
             cand.extend(b.block_id for b in blocks)
             indptr.append(len(cand))
-        self._dirty.clear()
         if not cand:
             return None
         block_ids = np.asarray(cand, dtype=np.int32)

@@ -57,14 +57,9 @@ class TokenTablePool:
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        """Creates an empty pool.
+        """Creates an empty pool over num_blocks blocks of block_size slots.
 
-        Args:
-            num_blocks: Physical KV blocks; slots lie in [0, num_blocks * block_size).
-            block_size: Tokens per block.
-
-        Raises:
-            ValueError: If either argument is not positive.
+        Raises ValueError if either is not positive.
         """
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
@@ -79,7 +74,7 @@ class TokenTablePool:
 
     # ------------------------------------------------------------ lifecycle
     def add_request(self, req_id: str) -> None:
-        """Registers an empty table. Raises ValueError if `req_id` is present."""
+        """Registers an empty table (ValueError if `req_id` is present)."""
         if req_id in self._tables:
             raise ValueError(f"request {req_id!r} already has a token table")
         self._tables[req_id] = _Table(
@@ -90,21 +85,16 @@ class TokenTablePool:
         return req_id in self._tables
 
     def release(self, req_id: str) -> None:
-        """Drops a finished or aborted request; its live tokens leave `block_live`.
-
-        Raises:
-            KeyError: If `req_id` is unknown.
-        """
+        """Drops a finished or aborted request and its counts (KeyError if unknown)."""
         t = self._table(req_id)
         self._count(self._live_slots(t), -1)
         self._total_live -= t.n_live
         del self._tables[req_id]
 
     def reset_slots(self, req_id: str) -> None:
-        """Preemption: every slot becomes -1; liveness bits (the live set) stay.
+        """Preemption: slots become -1, block counts go, liveness bits stay.
 
-        Raises:
-            KeyError: If `req_id` is unknown.
+        Raises KeyError if `req_id` is unknown.
         """
         t = self._table(req_id)
         self._count(self._live_slots(t), -1)
@@ -248,7 +238,7 @@ class TokenTablePool:
         Raises:
             AssertionError: Naming the violated invariant.
         """
-        B, total, owned, owner = self.block_size, 0, [], []
+        B, total, owned = self.block_size, 0, []
         for rid, t in self._tables.items():
             cap = t.slot.size
             assert 0 <= t.n_slotted <= t.n_tokens <= cap == t.live.size, (
@@ -266,7 +256,6 @@ class TokenTablePool:
             ls = self._live_slots(t)
             assert np.unique(ls).size == ls.size, f"{rid}: a slot used twice"
             owned.append(ls.astype(np.int64))
-            owner.append(np.full(ls.size, len(owner), dtype=np.int64))
         assert total == self._total_live, (
             f"total live counter {self._total_live} != recount {total}"
         )

@@ -122,9 +122,14 @@ class VTokenWorker:
             self.pool.append(rid, new)
             if self.scores is not None:
                 self.scores.reset(torch.from_numpy(new).to(self._device))
-            live = self.pool.live_slots(rid)
-            kv.append(live)
-            kv_indptr[i + 1] = kv_indptr[i] + live.size
+            # Keys: live tokens before the step, then every query token. A
+            # query token may be dead when a preempted request recomputes its
+            # KV; it is attended this once and stays dead afterwards.
+            live_idx = self.pool.live_idx(rid)
+            before = self.pool.live_slots(rid)[live_idx < nc]
+            slots = np.concatenate([before, self.pool.slots(rid)[nc:]])
+            kv.append(slots)
+            kv_indptr[i + 1] = kv_indptr[i] + slots.size
         kv_slots = torch.from_numpy(np.concatenate(kv)).to(self._device)
         self._read = TokenRead(
             query_start_loc=qsl,

@@ -85,7 +85,7 @@ class EvictionPolicy(ABC):
         self.knobs = {**self.defaults, **knobs}
         self._validate()
 
-    def _validate(self) -> None:
+    def _validate(self) -> None:  # noqa: B027
         """Checks knob values (override); raises ValueError."""
 
     def sync_new_tokens(self, req: RequestView, num_new: int) -> None:  # noqa: B027
