@@ -5,9 +5,9 @@
 lists them in their own group with these docstrings as help, and
 `VllmConfig.vtoken_config` carries it to the scheduler and the workers. With the
 default policy `none` every vToken hook stays idle and vLLM behaves as stock.
+(No `from __future__ import annotations` here: vLLM's CLI reads these field
+annotations as real types.)
 """
-
-from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -69,7 +69,7 @@ class VTokenConfig:
         return self.enabled and self.kv_reclaim == "vtoken"
 
     @model_validator(mode="after")
-    def _validate(self) -> VTokenConfig:
+    def _validate(self) -> "VTokenConfig":
         if not self.enabled:
             return self
         if self.kv_budget_tokens is None:
@@ -87,7 +87,7 @@ class VTokenConfig:
         )
         return self
 
-    def verify_with_vllm_config(self, vllm_config: VllmConfig) -> None:
+    def verify_with_vllm_config(self, vllm_config: "VllmConfig") -> None:
         """Refuse what vToken does not support; turn off what is not yet safe.
 
         Raises:
