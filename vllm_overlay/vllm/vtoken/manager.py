@@ -33,7 +33,7 @@ from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import MoveBatch, VTokenStep, VTokenWorkerOutput
 from vllm.vtoken.planner import pack_request, plan_blocks
 from vllm.vtoken.policies import create_policy
-from vllm.vtoken.stats import VTokenCounters
+from vllm.vtoken.stats import VTokenCounters, VTokenStats
 from vllm.vtoken.token_table import TokenTablePool
 
 if TYPE_CHECKING:
@@ -87,6 +87,10 @@ class VTokenScheduler:
         # blocks may be freed once the forward that rewrites them has run.
         self._recomputed_dead: dict[str, np.ndarray] = {}
         self.counters = VTokenCounters()
+        self._last_counters = VTokenCounters()
+        # For the gauges, kept as blocks change hands (not scanned per step):
+        self._nulls: dict[str, int] = {}  # positional blocks freed, by request
+        self._extra_fill: dict[int, int] = {}  # destination block -> tokens written
 
     # ------------------------------------------------------------ step hooks
     def begin_step(self, running: Iterable[Request]) -> None:
@@ -232,6 +236,9 @@ class VTokenScheduler:
         for i, b in enumerate(positional):
             if b.block_id in ids and not b.is_null:
                 positional[i] = null
+                self._nulls[rid] = self._nulls.get(rid, 0) + 1
+        for b in ids:
+            self._extra_fill.pop(b, None)
         extras = self.extra_blocks.get(rid)
         if extras:
             extras[:] = [b for b in extras if b.block_id not in ids]
@@ -244,10 +251,12 @@ class VTokenScheduler:
             blocks = sources.pop(rid, None)
             if blocks:
                 self._unbusy(batch_id, [b.block_id for b in blocks])
+        self._nulls.pop(rid, None)  # vLLM frees the positional list next
         extras = self.extra_blocks.pop(rid, None)
         if extras:
             for b in extras:
                 self._busy.pop(b.block_id, None)
+                self._extra_fill.pop(b.block_id, None)
             self.block_pool.free_blocks(extras)
 
     def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
@@ -322,6 +331,9 @@ class VTokenScheduler:
                 self._release_blocks(rid, src_blocks)
                 continue
             sources[rid] = src_blocks
+            fill = np.minimum(m.idx.size - B * np.arange(len(dst_blocks)), B)
+            for blk, n in zip(dst_blocks, fill.tolist()):
+                self._extra_fill[blk.block_id] = n
             batch_id = self._next_batch_id
             self._busy.update((int(b), batch_id) for b in src_ids)
             self._busy.update((b.block_id, batch_id) for b in dst_blocks)
@@ -343,6 +355,37 @@ class VTokenScheduler:
         self._inflight[batch.batch_id] = (batch, sources)
         self._next_batch_id += 1
         return batch
+
+    # ------------------------------------------------------------ metrics
+    def make_stats(self, running: Iterable[Request]) -> VTokenStats:
+        """Gauges over running requests, counters since the last call."""
+        B = self.block_size
+        held = written = live = 0
+        for req in running:
+            rid = req.request_id
+            positional = self._type_mgr.req_to_blocks.get(rid)
+            if not positional or rid not in self.pool:
+                continue
+            nulls = self._nulls.get(rid, 0)
+            extras = self.extra_blocks.get(rid, ())
+            held += len(positional) - nulls + len(extras)
+            written += min(req.num_computed_tokens, len(positional) * B) - nulls * B
+            written += sum(self._extra_fill.get(b.block_id, 0) for b in extras)
+            live += self.pool.num_live(rid)
+        delta = self.counters.minus(self._last_counters)
+        self._last_counters = self.counters.copy()
+        slots = held * B
+        return VTokenStats(
+            token_utilization=live / slots if slots else 0.0,
+            intra_block_waste=(written - live) / slots if slots else 0.0,
+            retained_blocks=held,
+            live_tokens=live,
+            evicted_tokens=delta.evicted_tokens,
+            reclaimed_blocks=delta.reclaimed_blocks,
+            moved_tokens=delta.moved_tokens,
+            deferred_plans=delta.deferred_plans,
+            copy_bytes=delta.copy_bytes,
+        )
 
     # ------------------------------------------------------------ invariants
     def check_integrity(self) -> None:

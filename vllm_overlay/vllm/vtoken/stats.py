@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Running counters of vToken, read into vLLM's SchedulerStats (scheduler side).
+"""vToken's numbers: running counters (scheduler side) and the per-interval
+`VTokenStats` that rides on vLLM's SchedulerStats to the metric loggers.
 
-Kept as plain integers the runtime bumps where the event happens, so reading
-them costs nothing per step; gauges come from the Token Table's O(1) totals.
+Counters are plain integers bumped where the event happens; gauges come from
+per-request figures the scheduler already keeps (O(requests) per stats call,
+never a scan of Token Tables or block lists).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(slots=True)
@@ -17,3 +19,29 @@ class VTokenCounters:
     moved_tokens: int = 0  # tokens whose KV moved to a new slot (acknowledged)
     deferred_plans: int = 0  # requests whose compaction the margin held back
     copy_bytes: int = 0  # KV bytes written by acknowledged moves
+
+    def minus(self, other: VTokenCounters) -> VTokenCounters:
+        return VTokenCounters(
+            *(getattr(self, f.name) - getattr(other, f.name) for f in fields(self))
+        )
+
+    def copy(self) -> VTokenCounters:
+        return VTokenCounters(*(getattr(self, f.name) for f in fields(self)))
+
+
+@dataclass
+class VTokenStats:
+    """One stats interval. Gauges are instantaneous; counters are deltas."""
+
+    # live tokens / token slots of the blocks running requests hold
+    token_utilization: float = 0.0
+    # the paper's F: dead (evicted) slots / slots of the blocks held
+    intra_block_waste: float = 0.0
+    # blocks held by running requests
+    retained_blocks: int = 0
+    live_tokens: int = 0
+    evicted_tokens: int = 0
+    reclaimed_blocks: int = 0
+    moved_tokens: int = 0
+    deferred_plans: int = 0
+    copy_bytes: int = 0

@@ -1,0 +1,113 @@
+"""The vToken engine arguments: defaults, CLI group, clear start-up errors.
+
+Runs in-process against the environment's patched vLLM, building only configs
+(no engine): `EngineArgs.create_engine_config()` reads the model's config.json.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("VTOKEN_MODEL_DIR"), reason="run through scripts/test.sh"
+)
+
+
+def make_config(**kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=os.environ["VTOKEN_MODEL_DIR"], block_size=16, max_model_len=512, **kwargs
+    )
+    return args.create_engine_config()
+
+
+def test_default_is_idle():
+    cfg = make_config().vtoken_config
+    assert cfg.kv_eviction_policy == "none"
+    assert not cfg.enabled and not cfg.compaction
+
+
+def test_policy_sets_up_and_turns_async_scheduling_off():
+    cfg = make_config(
+        kv_eviction_policy="streamingllm",
+        kv_budget_tokens=128,
+        kv_eviction_config={"num_sinks": 8},
+        kv_reclaim="naive",
+    )
+    assert cfg.vtoken_config.enabled and not cfg.vtoken_config.compaction
+    assert cfg.vtoken_config.policy_knobs() == {"num_sinks": 8}
+    assert cfg.scheduler_config.async_scheduling is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"kv_eviction_policy": "h2o"}, "needs --kv-budget-tokens"),
+        ({"kv_eviction_policy": "lru", "kv_budget_tokens": 8}, "kv_eviction_policy"),
+        ({"kv_eviction_policy": "h2o", "kv_budget_tokens": 0}, "kv_budget_tokens"),
+        (
+            {"kv_eviction_policy": "h2o", "kv_budget_tokens": 64, "kv_reclaim": "x"},
+            "kv_reclaim",
+        ),
+        (
+            {
+                "kv_eviction_policy": "h2o",
+                "kv_budget_tokens": 64,
+                "kv_reclaim_threshold": 1.5,
+            },
+            "kv_reclaim_threshold",
+        ),
+        (
+            {"kv_eviction_policy": "h2o", "kv_budget_tokens": 64, "kv_reclaim_margin": -1},
+            "kv_reclaim_margin",
+        ),
+        (
+            {
+                "kv_eviction_policy": "streamingllm",
+                "kv_budget_tokens": 64,
+                "kv_eviction_config": {"num_sink": 4},
+            },
+            "num_sink",
+        ),
+    ],
+)
+def test_bad_values_fail_at_start_up(kwargs, message):
+    with pytest.raises(Exception) as err:
+        make_config(**kwargs)
+    assert message in str(err.value)
+
+
+def test_unsupported_combination_names_what_and_why():
+    with pytest.raises(Exception) as err:
+        make_config(
+            kv_eviction_policy="h2o",
+            kv_budget_tokens=64,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                "prompt_lookup_max": 2},
+        )
+    assert "does not support speculative decoding" in str(err.value)
+
+
+def test_cli_lists_the_group_and_the_vllm_command_starts():
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    out = subprocess.run(
+        [vllm, "serve", "--help=VTokenConfig"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in (
+        "--kv-eviction-policy",
+        "--kv-budget-tokens",
+        "--kv-eviction-config",
+        "--kv-reclaim ",
+        "--kv-reclaim-threshold",
+        "--kv-reclaim-margin",
+    ):
+        assert flag in out.stdout
+    version = subprocess.run([vllm, "--version"], capture_output=True, text=True)
+    assert version.returncode == 0, version.stderr[-2000:]
+    assert version.stdout.strip().splitlines()[-1] == "0.18.0"
