@@ -13,15 +13,17 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 "$VTOKEN_REPO/scripts/setup_env.sh"
 vtoken_runtime_env
 
+# Our defaults, each dropped when the user gives that flag.
 model=("$VTOKEN_MODEL_DIR")
-defaults=(--block-size 16 --max-model-len 2048 --served-model-name SmolLM2-135M-Instruct)
+declare -A defaults=([--block-size]=16 [--max-model-len]=2048
+                     [--served-model-name]=SmolLM2-135M-Instruct)
+vtoken_has_cuda || defaults[--dtype]=bfloat16
 for a in "$@"; do
-  case "$a" in
-    --model|--model=*) model=() ;;
-    --block-size|--block-size=*|--max-model-len|--max-model-len=*|--served-model-name|--served-model-name=*)
-      defaults=() ;;
-  esac
+  case "$a" in --model|--model=*) model=() ;; esac
+  unset "defaults[${a%%=*}]" 2>/dev/null || true
 done
-if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then model=(); defaults=(); fi
-if ! vtoken_has_cuda; then defaults+=(--dtype bfloat16); fi
-exec "$VTOKEN_VENV/bin/vllm" serve "${model[@]}" "${defaults[@]}" "$@"
+# A first positional argument is the model (`vllm serve MODEL ...`).
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then model=(); unset "defaults[--served-model-name]"; fi
+extra=()
+for k in "${!defaults[@]}"; do extra+=("$k" "${defaults[$k]}"); done
+exec "$VTOKEN_VENV/bin/vllm" serve "${model[@]}" "${extra[@]}" "$@"
