@@ -1,6 +1,6 @@
 """Engines for end-to-end tests: one subprocess per configuration, cached.
 
-Each configuration runs tests/e2e/driver.py once per session (engine start-up
+Each configuration runs scripts/engine_driver.py once per session (engine start-up
 costs ~26 s on two cores); tests share the JSON it writes. Every vToken engine
 runs with VTOKEN_CHECK_INTEGRITY=1, so DESIGN.md §4's invariants are checked
 after every step of every end-to-end run, and a violation fails the run.
@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import installed_overlay_matches
 
-HERE = pathlib.Path(__file__).resolve().parent
+DRIVER = pathlib.Path(__file__).resolve().parents[2] / "scripts/engine_driver.py"
 _cache: dict[str, dict] = {}
 
 
@@ -35,7 +35,7 @@ def run_engine(spec: dict, *, pristine: bool = False, tmp_dir: pathlib.Path) -> 
     if pristine:
         env["PYTHONPATH"] = os.environ["VTOKEN_PRISTINE"]
     proc = subprocess.run(
-        [sys.executable, str(HERE / "driver.py"), str(spec_file), str(out_file)],
+        [sys.executable, str(DRIVER), str(spec_file), str(out_file)],
         env=env,
         capture_output=True,
         text=True,

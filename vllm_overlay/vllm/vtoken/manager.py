@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -119,7 +120,10 @@ class VTokenScheduler:
             self._sync_slots(rid, self._requests[rid].num_computed_tokens + n)
         moves = None
         if self.cfg.compaction and self._dirty:
+            t0 = time.perf_counter_ns()
             moves = self._plan(so)
+            self.counters.planner_ns += time.perf_counter_ns() - t0
+            self.counters.plan_calls += 1
         dead = {rid: np.concatenate(d) for rid, d in self._dead.items()}
         self._dead = {}
         if not dead and moves is None:

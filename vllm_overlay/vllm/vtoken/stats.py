@@ -19,6 +19,8 @@ class VTokenCounters:
     moved_tokens: int = 0  # tokens whose KV moved to a new slot (acknowledged)
     deferred_plans: int = 0  # requests whose compaction the margin held back
     copy_bytes: int = 0  # KV bytes written by acknowledged moves
+    planner_ns: int = 0  # CPU time spent planning compaction
+    plan_calls: int = 0  # steps that ran the planner
 
     def minus(self, other: VTokenCounters) -> VTokenCounters:
         return VTokenCounters(
