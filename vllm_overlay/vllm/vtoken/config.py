@@ -102,11 +102,13 @@ class VTokenConfig:
                 f"{what}: {why}."
             )
 
-        if not current_platform.is_cpu():
+        if current_platform.is_cuda_alike():
+            self._use_triton_attention(vllm_config, refuse)
+        elif not current_platform.is_cpu():
             refuse(
-                "GPU platforms in this release",
-                "the token-level attention read is wired for CPU_ATTN only "
-                "(the Triton path is tested, not yet hooked into the runner)",
+                f"the {current_platform.device_name} platform",
+                "the token-level attention read exists for CPU_ATTN and "
+                "TRITON_ATTN only",
             )
         if vllm_config.speculative_config is not None:
             refuse("speculative decoding", "rejected tokens would need un-eviction")
@@ -134,6 +136,31 @@ class VTokenConfig:
             # the next one (R-KV's async bug #10): schedule one step at a time.
             logger.info("vToken: asynchronous scheduling turned off.")
             sched.async_scheduling = False
+
+    @staticmethod
+    def _use_triton_attention(vllm_config: "VllmConfig", refuse) -> None:
+        """GPU: TRITON_ATTN reads 1-token pages; attention must run eagerly."""
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        attention = vllm_config.attention_config
+        if attention.backend is None:
+            attention.backend = AttentionBackendEnum.TRITON_ATTN
+        elif attention.backend != AttentionBackendEnum.TRITON_ATTN:
+            refuse(
+                f"--attention-backend {attention.backend.name}",
+                "the token-level read runs on TRITON_ATTN (any page size)",
+            )
+        compilation = vllm_config.compilation_config
+        mode = compilation.cudagraph_mode
+        if mode is None or mode.has_full_cudagraphs():
+            # Attention is a splitting op: piecewise graphs run it eagerly, so
+            # the per-step token table needs no persistent buffer yet.
+            compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        logger.warning(
+            "vToken on GPU: TRITON_ATTN with piecewise CUDA graphs. This path is "
+            "tested on CPU under the Triton interpreter, not yet on a GPU."
+        )
 
     def policy_knobs(self) -> dict[str, Any]:
         """Knobs for the policy itself (the shared `seed` knob removed)."""

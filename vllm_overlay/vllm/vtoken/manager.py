@@ -83,7 +83,11 @@ class VTokenScheduler:
         self._busy: dict[int, int] = {}  # block_id -> batch_id
         self._next_batch_id = 0
         self._dead: dict[str, list[np.ndarray]] = {}
-        self._dirty: set[str] = set()  # evicted since last planned
+        # Tokens evicted since a request was last considered for compaction.
+        # Packing frees a block only once a block's worth of slots is dead, so
+        # a request is planned when this reaches block_size: the planner runs
+        # about once per block_size evictions, not every step.
+        self._dead_since_plan: dict[str, int] = {}
         # Dead tokens a resumed request recomputes this step, by request: their
         # blocks may be freed once the forward that rewrites them has run.
         self._recomputed_dead: dict[str, np.ndarray] = {}
@@ -110,7 +114,8 @@ class VTokenScheduler:
             if dead.size == 0:
                 continue
             self._dead.setdefault(rid, []).append(dead)
-            self._dirty.add(rid)
+            n = self._dead_since_plan.get(rid, 0)
+            self._dead_since_plan[rid] = n + dead.size
             self.counters.evicted_tokens += int(dead.size)
             self._free_empty_blocks(rid, dead)
 
@@ -119,7 +124,9 @@ class VTokenScheduler:
         for rid, n in so.num_scheduled_tokens.items():
             self._sync_slots(rid, self._requests[rid].num_computed_tokens + n)
         moves = None
-        if self.cfg.compaction and self._dirty:
+        if self.cfg.compaction and any(
+            n >= self.block_size for n in self._dead_since_plan.values()
+        ):
             t0 = time.perf_counter_ns()
             moves = self._plan(so)
             self.counters.planner_ns += time.perf_counter_ns() - t0
@@ -166,7 +173,7 @@ class VTokenScheduler:
             self.runtime.release(rid)
         self._drop_blocks(rid)
         self._dead.pop(rid, None)
-        self._dirty.discard(rid)
+        self._dead_since_plan.pop(rid, None)
         self._recomputed_dead.pop(rid, None)
 
     # ------------------------------------------------------------ internals
@@ -189,7 +196,8 @@ class VTokenScheduler:
             dead = dead[(dead >= start) & (dead < upto)]
             if dead.size:
                 self._recomputed_dead[rid] = dead
-                self._dirty.add(rid)
+                n = self._dead_since_plan.get(rid, 0)
+                self._dead_since_plan[rid] = n + dead.size
         B = self.block_size
         first, last = start // B, (upto - 1) // B
         ids = np.fromiter(
@@ -272,11 +280,11 @@ class VTokenScheduler:
         """Greedy compaction of under-used blocks, within the free-block margin."""
         B = self.block_size
         rids, indptr, cand = [], [0], []
-        for rid in list(self._dirty):
+        for rid, n in list(self._dead_since_plan.items()):
             req = self._requests.get(rid)
-            if req is None or rid not in so.num_scheduled_tokens:
-                continue  # stays dirty until it runs again
-            self._dirty.discard(rid)
+            if n < B or req is None or rid not in so.num_scheduled_tokens:
+                continue  # considered once it runs with a block's worth dead
+            self._dead_since_plan[rid] = 0
             # Full blocks written before this step; the tail is being filled.
             nfull = req.num_computed_tokens // B
             blocks = [

@@ -43,7 +43,10 @@ class MoveBatch:
             yield req_id, self.idx[lo:hi], self.src_slots[lo:hi], self.dst_slots[lo:hi]
 
     def __repr__(self) -> str:  # SchedulerOutput is logged on engine errors
-        return f"MoveBatch(id={self.batch_id}, reqs={len(self.req_ids)}, moves={len(self.idx)})"
+        return (
+            f"MoveBatch(id={self.batch_id}, reqs={len(self.req_ids)}, "
+            f"moves={len(self.idx)})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

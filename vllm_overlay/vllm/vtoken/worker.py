@@ -136,6 +136,7 @@ class VTokenWorker:
             kv_indptr=kv_indptr,
             kv_slots=kv_slots,
             scores=self.scores,
+            block_size=B,
         )
         set_token_read(self._read)
 

@@ -1,0 +1,76 @@
+"""The runner-to-attention hand-off (`vllm.vtoken.context.TokenRead`).
+
+The same live tokens laid out as vLLM's CPU cache and as its TRITON_ATTN cache:
+`cpu_forward` and `triton_forward` (Triton under TRITON_INTERPRET=1, on CPU) give
+the same output and feed the score accumulator the same attention mass, before
+and after the table is reused by a second layer.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+CONFTEST = str(pathlib.Path(__file__).resolve().parents[1] / "conftest.py")
+
+_CHILD = textwrap.dedent("""
+    import runpy, sys
+    runpy.run_path(sys.argv[1])  # tests/conftest.py: use this checkout's overlay
+    import numpy as np, torch
+    import triton, triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+    import vllm.triton_utils as tu
+    tu.HAS_TRITON, tu.triton, tu.tl, tu.tldevice = True, triton, tl, tldevice
+    from vllm.vtoken.context import TokenRead
+    from vllm.vtoken.scores import ScoreAccumulator
+
+    gen = torch.Generator().manual_seed(3)
+    N, H, Hq, B, D = 10, 2, 4, 16, 32
+    lens, q_lens = [37, 12, 20], [1, 5, 20]   # decode, chunk, full prefill
+    slots = torch.randperm(N * B, generator=gen)[: sum(lens)]
+    k = torch.randn(len(slots), H, D, generator=gen)
+    v = torch.randn(len(slots), H, D, generator=gen)
+    # CPU_ATTN layout [2, N, H, B, D], K transposed inside each page.
+    cpu = torch.zeros(2, N, H, B, D)
+    n, b = slots // B, slots % B
+    cpu[0].view(N, H, D, B)[n, :, :, b] = k
+    cpu[1][n, :, b, :] = v
+    # TRITON_ATTN layout [N, 2, B, H, D].
+    tri = torch.zeros(N, 2, B, H, D)
+    tri[n, 0, b], tri[n, 1, b] = k, v
+    indptr = np.concatenate([[0], np.cumsum(lens)])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    q = torch.randn(int(qsl[-1]), Hq, D, generator=gen)
+    outs, accs = [], []
+    for forward in ("cpu", "triton"):
+        scores = ScoreAccumulator(N * B, "sum")
+        read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
+                         scores=scores, block_size=B)
+        out = torch.zeros(len(q), Hq * D)
+        for _layer in range(2):  # the second layer reuses the GPU table
+            if forward == "cpu":
+                read.cpu_forward(q, cpu[0], cpu[1], out, D ** -0.5)
+            else:
+                read.triton_forward(q, tri, out, D ** -0.5)
+        scores.finish_step(slots, 1, 2.0 * Hq)
+        outs.append(out)
+        accs.append(scores.scores(slots.numpy()))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(accs[1], accs[0], atol=1e-5, rtol=1e-5)
+    assert accs[0].sum() > 0
+    print("TOKEN-READ-OK")
+""")
+
+
+def test_cpu_and_triton_reads_agree_under_interpreter():
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, CONFTEST],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0 and "TOKEN-READ-OK" in proc.stdout, proc.stderr[-3000:]
