@@ -2,7 +2,8 @@
 #
 #   docker build -t vtoken-vllm:0.18.0 .
 #   docker run --gpus all -p 8000:8000 vtoken-vllm:0.18.0 \
-#       --model HuggingFaceTB/SmolLM2-135M-Instruct --kv-eviction-policy h2o
+#       --model HuggingFaceTB/SmolLM2-135M-Instruct \
+#       --kv-eviction-policy h2o --kv-budget-tokens 256
 #
 # The base image's ENTRYPOINT (`vllm serve`) is kept, so `docker run` arguments go
 # to `vllm serve`. Only what apply.sh reads is sent to the build (see .dockerignore).
