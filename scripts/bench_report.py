@@ -32,7 +32,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {platform.machine()}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def memory_section(d: dict) -> list[str]:
@@ -71,7 +74,8 @@ def memory_section(d: dict) -> list[str]:
         for p in POLICIES
     ]
     cut = [
-        100 * (1 - r[f"{p}/vtoken"]["retained_blocks"] / r[f"{p}/naive"]["retained_blocks"])
+        100
+        * (1 - r[f"{p}/vtoken"]["retained_blocks"] / r[f"{p}/naive"]["retained_blocks"])
         for p in POLICIES
     ]
     out += [
@@ -82,13 +86,13 @@ def memory_section(d: dict) -> list[str]:
         "|---|---|---|",
         f"| utilization vs naive-evict, average over policies | +21.9 pts | "
         f"{sum(gains) / len(gains):+.1f} pts ("
-        + ", ".join(f"{p} {g:+.1f}" for p, g in zip(POLICIES, gains))
+        + ", ".join(f"{p} {g:+.1f}" for p, g in zip(POLICIES, gains, strict=True))
         + ") |",
-        f"| distance to perfect packing (vtoken) | — | "
-        + ", ".join(f"{p} {g:.1f}" for p, g in zip(POLICIES, to_perfect))
+        "| distance to perfect packing (vtoken) | — | "
+        + ", ".join(f"{p} {g:.1f}" for p, g in zip(POLICIES, to_perfect, strict=True))
         + " pts |",
-        f"| retained blocks vs naive-evict | -27.2% to -72.3% | "
-        + ", ".join(f"{p} {-c:.1f}%" for p, c in zip(POLICIES, cut))
+        "| retained blocks vs naive-evict | -27.2% to -72.3% | "
+        + ", ".join(f"{p} {-c:.1f}%" for p, c in zip(POLICIES, cut, strict=True))
         + " |",
         "",
     ]
@@ -111,7 +115,9 @@ def capacity_section(d: dict) -> list[str]:
         "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for pool in d["pools"]:
-        n, v, t = (r[f"{pool}/{m}"]["max_concurrency"] for m in ("native", "vtoken", "theory"))
+        n, v, t = (
+            r[f"{pool}/{m}"]["max_concurrency"] for m in ("native", "vtoken", "theory")
+        )
         out.append(
             f"| {pool} | {n} | {r[f'{pool}/naive']['max_concurrency']} | {v} | {t} "
             f"| {v / n if n else float('inf'):.2f}x | {v / t if t else 0:.2f} "
@@ -153,7 +159,8 @@ def sla_section(d: dict) -> list[str]:
         f"prompts, output length {d['gen_len']}. SLA: p95 end-to-end latency within "
         f"1.05x native's at the lowest rate ({d['sla_p95_ms']:.0f} ms).",
         "",
-        "| mode | " + " | ".join(f"rate {x}: tok/s, p95 ms" for x in d["rates"])
+        "| mode | "
+        + " | ".join(f"rate {x}: tok/s, p95 ms" for x in d["rates"])
         + " | best tok/s within SLA |",
         "|---|" + "---|" * len(d["rates"]) + "---:|",
     ]
@@ -163,8 +170,11 @@ def sla_section(d: dict) -> list[str]:
             f"{d['results'][f'{mode}/{x}']['p95_e2el_ms']:.0f}"
             for x in d["rates"]
         ]
-        out.append(f"| {mode} | " + " | ".join(cells)
-                   + f" | {d['best_throughput'][mode]:.1f} |")
+        out.append(
+            f"| {mode} | "
+            + " | ".join(cells)
+            + f" | {d['best_throughput'][mode]:.1f} |"
+        )
     out += ["", "![sla](bench/sla.png)", ""]
     return out
 
@@ -177,7 +187,8 @@ def planner_section(d: dict) -> list[str]:
         f"step, worst case (every request planned), median of {d['meta']['repeats']}, "
         f"threshold {d['meta']['threshold']}.",
         "",
-        "| blocks | requests | moved tokens | plan µs | pack µs | step µs | µs per 1,000 blocks |",
+        "| blocks | requests | moved tokens | plan µs | pack µs | step µs "
+        "| µs per 1,000 blocks |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in d["rows"]:

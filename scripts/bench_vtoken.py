@@ -49,7 +49,9 @@ def run_driver(spec: dict, pristine: bool = False) -> dict:
         t0 = time.monotonic()
         proc = subprocess.run(
             [sys.executable, str(DRIVER), str(spec_f), str(out_f)],
-            env=env, capture_output=True, text=True,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         if proc.returncode != 0:
             sys.exit(f"engine run failed:\n{proc.stderr[-4000:]}")
@@ -108,15 +110,20 @@ def memory_figures(run: dict, block_size: int) -> dict:
 
 def cmd_memory(args) -> dict:
     wave = {
-        "sharegpt": {"n": args.requests, "min_tokens": args.prompt_len,
-                     "max_tokens": args.prompt_len},
+        "sharegpt": {
+            "n": args.requests,
+            "min_tokens": args.prompt_len,
+            "max_tokens": args.prompt_len,
+        },
         "max_tokens": args.gen_len,
     }
     results = {}
     for policy in ["none"] + POLICIES:
         for reclaim in ["naive", "vtoken"] if policy != "none" else ["-"]:
             spec = {
-                "engine": engine_args(args, **policy_args(policy, args.budget, reclaim)),
+                "engine": engine_args(
+                    args, **policy_args(policy, args.budget, reclaim)
+                ),
                 "histogram": True,
                 **wave,
             }
@@ -130,14 +137,19 @@ def cmd_memory(args) -> dict:
                 reclaimed_blocks=c.get("reclaimed_blocks", 0),
                 copy_bytes_per_step=c.get("copy_bytes", 0) / steps,
                 planner_us_per_call=(
-                    c["planner_ns"] / c["plan_calls"] / 1e3 if c.get("plan_calls") else 0
+                    c["planner_ns"] / c["plan_calls"] / 1e3
+                    if c.get("plan_calls")
+                    else 0
                 ),
                 step_ms=1e3 * run["generate_s"] / steps,
                 generate_s=run["generate_s"],
             )
             results[f"{policy}/{reclaim}"] = fig
-            print(f"memory {policy:12s} {reclaim:6s} util {fig['utilization']:.3f} "
-                  f"retained {fig['retained_blocks']:.1f}", flush=True)
+            print(
+                f"memory {policy:12s} {reclaim:6s} util {fig['utilization']:.3f} "
+                f"retained {fig['retained_blocks']:.1f}",
+                flush=True,
+            )
     return {"workload": wave, "budget": args.budget, "results": results}
 
 
@@ -158,8 +170,12 @@ def plot_memory(data: dict, png: pathlib.Path) -> None:
     a.legend(fontsize=8)
     x = range(len(POLICIES))
     for off, mode in [(-0.2, "naive"), (0.2, "vtoken")]:
-        b.bar([i + off for i in x], [res[f"{p}/{mode}"]["utilization"] for p in POLICIES],
-              width=0.4, label=mode)
+        b.bar(
+            [i + off for i in x],
+            [res[f"{p}/{mode}"]["utilization"] for p in POLICIES],
+            width=0.4,
+            label=mode,
+        )
     b.set_xticks(list(x), POLICIES)
     b.set_ylabel("time-averaged token utilization")
     b.set_ylim(0, 1)
@@ -176,31 +192,48 @@ def cmd_capacity(args) -> dict:
     for pool in args.pools:
         waves = [
             {
-                "sharegpt": {"n": n, "min_tokens": args.prompt_len,
-                             "max_tokens": args.prompt_len},
+                "sharegpt": {
+                    "n": n,
+                    "min_tokens": args.prompt_len,
+                    "max_tokens": args.prompt_len,
+                },
                 "max_tokens": args.gen_len,
             }
             for n in args.concurrency
         ]
-        for mode, policy, reclaim in [("native", "none", "-"), ("naive", "h2o", "naive"),
-                                      ("vtoken", "h2o", "vtoken")]:
+        for mode, policy, reclaim in [
+            ("native", "none", "-"),
+            ("naive", "h2o", "naive"),
+            ("vtoken", "h2o", "vtoken"),
+        ]:
             eng = engine_args(
-                args, num_gpu_blocks_override=pool, max_num_seqs=max(args.concurrency),
+                args,
+                num_gpu_blocks_override=pool,
+                max_num_seqs=max(args.concurrency),
                 max_model_len=min(2048, (pool - 1) * 16),
                 **policy_args(policy, budget, reclaim),
             )
-            run = run_driver({"engine": eng, "waves": waves, "stop_on_preemption": True})
+            run = run_driver(
+                {"engine": eng, "waves": waves, "stop_on_preemption": True}
+            )
             best, tput = 0, 0.0
-            for n, w in zip(args.concurrency, run["waves"]):
+            for n, w in zip(args.concurrency, run["waves"], strict=False):
                 if w["preemptions"] == 0 and w["max_scheduled"] == n:
                     best = n
                     tput = sum(w["max_tokens"]) / w["generate_s"]
             out[f"{pool}/{mode}"] = {"max_concurrency": best, "decode_tok_s": tput}
-            print(f"capacity pool {pool} {mode:7s} {best} ({tput:.1f} tok/s)", flush=True)
+            print(
+                f"capacity pool {pool} {mode:7s} {best} ({tput:.1f} tok/s)", flush=True
+            )
         per_req = math.ceil((budget + 1) / 16) + 1
         out[f"{pool}/theory"] = {"max_concurrency": (pool - 1) // per_req}
-    return {"budget": budget, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-            "pools": args.pools, "results": out}
+    return {
+        "budget": budget,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "pools": args.pools,
+        "results": out,
+    }
 
 
 def plot_capacity(data: dict, png: pathlib.Path) -> None:
@@ -213,9 +246,12 @@ def plot_capacity(data: dict, png: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     modes = ["native", "naive", "vtoken", "theory"]
     for i, pool in enumerate(data["pools"]):
-        ax.bar([j + 0.4 * i for j in range(4)],
-               [res[f"{pool}/{m}"]["max_concurrency"] for m in modes],
-               width=0.4, label=f"{pool} blocks")
+        ax.bar(
+            [j + 0.4 * i for j in range(4)],
+            [res[f"{pool}/{m}"]["max_concurrency"] for m in modes],
+            width=0.4,
+            label=f"{pool} blocks",
+        )
     ax.set_xticks([j + 0.2 for j in range(4)], modes)
     ax.set_ylabel("max concurrent requests, no preemption")
     ax.legend()
@@ -232,22 +268,45 @@ def cmd_sla(args) -> dict:
     vllm = pathlib.Path(sys.executable).parent / "vllm"
     results = {}
     budget = args.budget
-    for mode, policy, reclaim in [("native", "none", "-"), ("naive", "h2o", "naive"),
-                                  ("vtoken", "h2o", "vtoken")]:
+    for mode, policy, reclaim in [
+        ("native", "none", "-"),
+        ("naive", "h2o", "naive"),
+        ("vtoken", "h2o", "vtoken"),
+    ]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        flags = ["--host", "127.0.0.1", "--port", str(port), "--block-size", "16",
-                 "--max-model-len", "1024", "--served-model-name", "m",
-                 "--num-gpu-blocks-override", str(args.pool), "--max-num-seqs", "64"]
+        flags = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            "16",
+            "--max-model-len",
+            "1024",
+            "--served-model-name",
+            "m",
+            "--num-gpu-blocks-override",
+            str(args.pool),
+            "--max-num-seqs",
+            "64",
+        ]
         if policy != "none":
-            flags += ["--kv-eviction-policy", policy, "--kv-budget-tokens", str(budget),
-                      "--kv-reclaim", reclaim]
+            flags += [
+                "--kv-eviction-policy",
+                policy,
+                "--kv-budget-tokens",
+                str(budget),
+                "--kv-reclaim",
+                reclaim,
+            ]
         model = args.model or os.environ["VTOKEN_MODEL_DIR"]
         cmd = [str(vllm), "serve", model, *flags, *args.serve_args]
         log = open(pathlib.Path(tempfile.gettempdir(), f"vtoken-sla-{mode}.log"), "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 300
             while True:
@@ -261,18 +320,40 @@ def cmd_sla(args) -> dict:
             for rate in args.rates:
                 with tempfile.TemporaryDirectory() as tmp:
                     r = subprocess.run(
-                        [str(vllm), "bench", "serve", "--base-url",
-                         f"http://127.0.0.1:{port}", "--model", "m",
-                         "--tokenizer", model, "--dataset-name", "sharegpt",
-                         "--dataset-path", os.environ["VTOKEN_SHAREGPT"],
-                         "--num-prompts", str(args.num_prompts),
-                         "--sharegpt-output-len", str(args.gen_len),
-                         "--request-rate", str(rate), "--seed", "0",
-                         "--percentile-metrics", "ttft,tpot,e2el",
-                         "--metric-percentiles", "50,95",
-                         "--save-result", "--result-dir", tmp,
-                         "--result-filename", "r.json"],
-                        capture_output=True, text=True,
+                        [
+                            str(vllm),
+                            "bench",
+                            "serve",
+                            "--base-url",
+                            f"http://127.0.0.1:{port}",
+                            "--model",
+                            "m",
+                            "--tokenizer",
+                            model,
+                            "--dataset-name",
+                            "sharegpt",
+                            "--dataset-path",
+                            os.environ["VTOKEN_SHAREGPT"],
+                            "--num-prompts",
+                            str(args.num_prompts),
+                            "--sharegpt-output-len",
+                            str(args.gen_len),
+                            "--request-rate",
+                            str(rate),
+                            "--seed",
+                            "0",
+                            "--percentile-metrics",
+                            "ttft,tpot,e2el",
+                            "--metric-percentiles",
+                            "50,95",
+                            "--save-result",
+                            "--result-dir",
+                            tmp,
+                            "--result-filename",
+                            "r.json",
+                        ],
+                        capture_output=True,
+                        text=True,
                     )
                     if r.returncode != 0:
                         sys.exit(f"vllm bench serve failed:\n{r.stdout[-3000:]}")
@@ -283,20 +364,33 @@ def cmd_sla(args) -> dict:
                     "p50_e2el_ms": res["p50_e2el_ms"],
                     "completed": res["completed"],
                 }
-                print(f"sla {mode:7s} rate {rate}: {res['output_throughput']:.1f} tok/s "
-                      f"p95 {res['p95_e2el_ms']:.0f} ms", flush=True)
+                print(
+                    f"sla {mode:7s} rate {rate}: {res['output_throughput']:.1f} tok/s "
+                    f"p95 {res['p95_e2el_ms']:.0f} ms",
+                    flush=True,
+                )
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
     sla = 1.05 * results[f"native/{args.rates[0]}"]["p95_e2el_ms"]
     best = {}
     for mode in ["native", "naive", "vtoken"]:
-        ok = [results[f"{mode}/{r}"]["output_throughput"] for r in args.rates
-              if results[f"{mode}/{r}"]["p95_e2el_ms"] <= sla]
+        ok = [
+            results[f"{mode}/{r}"]["output_throughput"]
+            for r in args.rates
+            if results[f"{mode}/{r}"]["p95_e2el_ms"] <= sla
+        ]
         best[mode] = max(ok) if ok else 0.0
-    return {"rates": args.rates, "pool": args.pool, "budget": budget,
-            "sla_p95_ms": sla, "best_throughput": best, "results": results,
-            "num_prompts": args.num_prompts, "gen_len": args.gen_len}
+    return {
+        "rates": args.rates,
+        "pool": args.pool,
+        "budget": budget,
+        "sla_p95_ms": sla,
+        "best_throughput": best,
+        "results": results,
+        "num_prompts": args.num_prompts,
+        "gen_len": args.gen_len,
+    }
 
 
 def plot_sla(data: dict, png: pathlib.Path) -> None:
@@ -308,8 +402,12 @@ def plot_sla(data: dict, png: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in ["native", "naive", "vtoken"]:
         pts = [data["results"][f"{mode}/{r}"] for r in data["rates"]]
-        ax.plot([p["output_throughput"] for p in pts], [p["p95_e2el_ms"] for p in pts],
-                marker="o", label=mode)
+        ax.plot(
+            [p["output_throughput"] for p in pts],
+            [p["p95_e2el_ms"] for p in pts],
+            marker="o",
+            label=mode,
+        )
     ax.axhline(data["sla_p95_ms"], ls="--", c="gray", label="SLA (1.05x native p95)")
     ax.set_xlabel("output throughput (tok/s)")
     ax.set_ylabel("p95 end-to-end latency (ms)")
@@ -322,7 +420,11 @@ def plot_sla(data: dict, png: pathlib.Path) -> None:
 def cmd_overhead(args) -> dict:
     spec = {
         "engine": engine_args(args),
-        "sharegpt": {"n": args.requests, "min_tokens": 32, "max_tokens": args.prompt_len},
+        "sharegpt": {
+            "n": args.requests,
+            "min_tokens": 32,
+            "max_tokens": args.prompt_len,
+        },
         "max_tokens": args.gen_len,
     }
     rows = {"stock": [], "patched": []}
@@ -330,22 +432,31 @@ def cmd_overhead(args) -> dict:
         for name in ("stock", "patched"):  # alternate, so drift hits both
             run = run_driver(spec, pristine=(name == "stock"))
             lat = sorted(run["finish_t"].values())
-            rows[name].append({
-                "tok_s": sum(run["max_tokens"]) / run["generate_s"],
-                "p95_s": lat[max(0, math.ceil(0.95 * len(lat)) - 1)],
-            })
+            rows[name].append(
+                {
+                    "tok_s": sum(run["max_tokens"]) / run["generate_s"],
+                    "p95_s": lat[max(0, math.ceil(0.95 * len(lat)) - 1)],
+                }
+            )
             print(f"overhead {name:7s} {rows[name][-1]}", flush=True)
-    ratio_t = [p["tok_s"] / s["tok_s"] for s, p in zip(rows["stock"], rows["patched"])]
-    ratio_l = [p["p95_s"] / s["p95_s"] for s, p in zip(rows["stock"], rows["patched"])]
-    return {"runs": rows, "throughput_ratio_median": statistics.median(ratio_t),
-            "throughput_ratios": ratio_t, "p95_ratio_median": statistics.median(ratio_l),
-            "p95_ratios": ratio_l, "workload": spec}
+    pairs = list(zip(rows["stock"], rows["patched"], strict=True))
+    ratio_t = [p["tok_s"] / s["tok_s"] for s, p in pairs]
+    ratio_l = [p["p95_s"] / s["p95_s"] for s, p in pairs]
+    return {
+        "runs": rows,
+        "throughput_ratio_median": statistics.median(ratio_t),
+        "throughput_ratios": ratio_t,
+        "p95_ratio_median": statistics.median(ratio_l),
+        "p95_ratios": ratio_l,
+        "workload": spec,
+    }
 
 
 # ------------------------------------------------------------------ main
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("experiment", choices=["memory", "capacity", "sla", "overhead"])
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
     p.add_argument("--engine-json", default="{}", help="extra LLM(...) arguments")
@@ -355,8 +466,9 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--budget", type=int, default=128)
     p.add_argument("--pools", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--concurrency", type=int, nargs="+",
-                   default=[2, 3, 4, 6, 8, 10, 12, 16])
+    p.add_argument(
+        "--concurrency", type=int, nargs="+", default=[2, 3, 4, 6, 8, 10, 12, 16]
+    )
     p.add_argument("--pool", type=int, default=96, help="sla: KV blocks")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     p.add_argument("--num-prompts", type=int, default=24)

@@ -33,7 +33,9 @@ import time
 WORKLOAD_KEYS = ("prompts", "sharegpt", "max_tokens", "arrivals", "aborts")
 
 
-def sharegpt_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, skip: int = 0):
+def sharegpt_prompts(
+    tokenizer, n: int, min_tokens: int, max_tokens: int, skip: int = 0
+):
     with open(os.environ["VTOKEN_SHAREGPT"]) as f:
         records = json.load(f)
     prompts = []

@@ -63,7 +63,11 @@ def test_policy_sets_up_and_turns_async_scheduling_off():
             "kv_reclaim_threshold",
         ),
         (
-            {"kv_eviction_policy": "h2o", "kv_budget_tokens": 64, "kv_reclaim_margin": -1},
+            {
+                "kv_eviction_policy": "h2o",
+                "kv_budget_tokens": 64,
+                "kv_reclaim_margin": -1,
+            },
             "kv_reclaim_margin",
         ),
         (
@@ -87,8 +91,11 @@ def test_unsupported_combination_names_what_and_why():
         make_config(
             kv_eviction_policy="h2o",
             kv_budget_tokens=64,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                "prompt_lookup_max": 2},
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 2,
+            },
         )
     assert "does not support speculative decoding" in str(err.value)
 

@@ -36,7 +36,9 @@ def series() -> list[str]:
 def touched_files() -> set[str]:
     files = set()
     for p in series():
-        files |= set(re.findall(r"^\+\+\+ b/(\S+)", (REPO / "patches" / p).read_text(), re.M))
+        files |= set(
+            re.findall(r"^\+\+\+ b/(\S+)", (REPO / "patches" / p).read_text(), re.M)
+        )
     return files
 
 
@@ -92,7 +94,9 @@ def repo_copy(tmp_path) -> pathlib.Path:
 
 def test_series_lint():
     r = subprocess.run(
-        ["python3", str(REPO / "scripts/check_patches.py")], capture_output=True, text=True
+        ["python3", str(REPO / "scripts/check_patches.py")],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stderr
     assert f"{len(series())} patches ok" in r.stdout
@@ -113,7 +117,9 @@ def test_series_lint_catches_problems(repo_copy):
     assert f"{series()[0]}: DEP-3 header has no Forwarded: field" in r.stderr
 
 
-def test_check_on_full_pristine_tree_applies_all_and_changes_nothing(pristine, tmp_path):
+def test_check_on_full_pristine_tree_applies_all_and_changes_nothing(
+    pristine, tmp_path
+):
     tree = tmp_path / "full"
     shutil.copytree(pristine, tree, symlinks=True)
     before = tree_digest(tree)

@@ -115,7 +115,11 @@ def test_hand_computed_step(reclaim):
         assert kv.block_pool.get_num_free_blocks() == free0 - 3
     # Counters are deltas: a second read in the same interval reports none.
     again = vt.make_stats([req])
-    assert (again.evicted_tokens, again.reclaimed_blocks, again.moved_tokens) == (0, 0, 0)
+    assert (again.evicted_tokens, again.reclaimed_blocks, again.moved_tokens) == (
+        0,
+        0,
+        0,
+    )
 
     # Finish: every block returns to the pool, including the destination.
     vt.on_free(req)

@@ -25,7 +25,9 @@ _cache: dict[str, dict] = {}
 
 def run_engine(spec: dict, *, pristine: bool = False, tmp_dir: pathlib.Path) -> dict:
     """Run the driver for `spec` (stock vLLM when `pristine`) and load its JSON."""
-    key = hashlib.sha256(json.dumps([spec, pristine], sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps([spec, pristine], sort_keys=True).encode()
+    ).hexdigest()[:16]
     if key in _cache:
         return _cache[key]
     spec_file = tmp_dir / f"{key}.spec.json"

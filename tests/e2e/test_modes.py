@@ -41,7 +41,7 @@ def test_vtoken_equals_naive_and_holds_fewer_blocks(engine, policy):
     assert len(vtoken["steps"]) == len(naive["steps"])
     held_n = [sum(s["held"].values()) for s in naive["steps"]]
     held_v = [sum(s["held"].values()) for s in vtoken["steps"]]
-    assert all(v <= n for v, n in zip(held_v, held_n))
+    assert all(v <= n for v, n in zip(held_v, held_n, strict=True))
     # At the last step where every request still runs, vtoken holds fewer.
     last_full = max(i for i, s in enumerate(naive["steps"]) if s["running"] == 6)
     assert held_v[last_full] < held_n[last_full], (held_v[last_full], held_n[last_full])

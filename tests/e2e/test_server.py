@@ -38,12 +38,17 @@ def server(tmp_path_factory, engine_dir):
         proc = subprocess.Popen(
             [
                 str(REPO / "scripts/run.sh"),
-                "--host", "127.0.0.1",
-                "--port", str(port),
-                "--max-model-len", "1024",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-model-len",
+                "1024",
                 "--enforce-eager",
-                "--kv-eviction-policy", "h2o",
-                "--kv-budget-tokens", "64",
+                "--kv-eviction-policy",
+                "h2o",
+                "--kv-budget-tokens",
+                "64",
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -102,8 +107,12 @@ def test_serves_a_completion_with_eviction_and_exports_metrics(server):
     assert metric(text, "vllm:kv_reclaimed_blocks_total") > 0
     assert 0.0 <= metric(text, "vllm:kv_token_utilization") <= 1.0
     assert 0.0 <= metric(text, "vllm:kv_intra_block_waste") <= 1.0
-    for name in ("vllm:kv_moved_tokens_total", "vllm:kv_reclaim_deferred_total",
-                 "vllm:kv_copy_bytes_total", "vllm:kv_retained_blocks"):
+    for name in (
+        "vllm:kv_moved_tokens_total",
+        "vllm:kv_reclaim_deferred_total",
+        "vllm:kv_copy_bytes_total",
+        "vllm:kv_retained_blocks",
+    ):
         metric(text, name)
 
 
@@ -112,16 +121,28 @@ def test_upstream_bench_serve_runs_unchanged(server, tmp_path):
     vllm = pathlib.Path(sys.executable).parent / "vllm"
     r = subprocess.run(
         [
-            str(vllm), "bench", "serve",
-            "--base-url", base,
-            "--model", "SmolLM2-135M-Instruct",
-            "--tokenizer", os.environ["VTOKEN_MODEL_DIR"],
-            "--dataset-name", "sharegpt",
-            "--dataset-path", os.environ["VTOKEN_SHAREGPT"],
-            "--num-prompts", "4",
-            "--sharegpt-output-len", "32",
-            "--save-result", "--result-dir", str(tmp_path),
-            "--result-filename", "bench.json",
+            str(vllm),
+            "bench",
+            "serve",
+            "--base-url",
+            base,
+            "--model",
+            "SmolLM2-135M-Instruct",
+            "--tokenizer",
+            os.environ["VTOKEN_MODEL_DIR"],
+            "--dataset-name",
+            "sharegpt",
+            "--dataset-path",
+            os.environ["VTOKEN_SHAREGPT"],
+            "--num-prompts",
+            "4",
+            "--sharegpt-output-len",
+            "32",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "bench.json",
         ],
         capture_output=True,
         text=True,

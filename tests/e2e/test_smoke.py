@@ -22,8 +22,9 @@ def test_native_matches_stock_vllm(engine):
 
 
 def test_real_model_decodes_coherently(engine, tmp_path):
-    from transformers import AutoTokenizer
     import os
+
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.environ["VTOKEN_MODEL_DIR"])
     prompt = tok.encode("The capital of France is")

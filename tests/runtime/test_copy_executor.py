@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+
 from vllm.vtoken.copy_executor import KVCopyExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))

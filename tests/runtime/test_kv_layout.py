@@ -7,6 +7,7 @@ tokens are read back through that index math and through `gather_live_kv`.
 
 import pytest
 import torch
+
 from vllm.vtoken.token_attention import gather_live_kv
 
 ops = pytest.importorskip(

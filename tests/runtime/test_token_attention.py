@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+
 from vllm.vtoken.copy_executor import KVCopyExecutor
 from vllm.vtoken.scores import attention_mass_reference
 from vllm.vtoken.token_attention import (

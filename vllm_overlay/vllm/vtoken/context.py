@@ -60,7 +60,6 @@ class TokenRead:
             scores=self.scores,
         )
 
-
     def triton_forward(
         self,
         query: torch.Tensor,

@@ -344,7 +344,7 @@ class VTokenScheduler:
                 continue
             sources[rid] = src_blocks
             fill = np.minimum(m.idx.size - B * np.arange(len(dst_blocks)), B)
-            for blk, n in zip(dst_blocks, fill.tolist()):
+            for blk, n in zip(dst_blocks, fill.tolist(), strict=True):
                 self._extra_fill[blk.block_id] = n
             batch_id = self._next_batch_id
             self._busy.update((int(b), batch_id) for b in src_ids)
@@ -402,9 +402,7 @@ class VTokenScheduler:
     # ------------------------------------------------------------ invariants
     def check_integrity(self) -> None:
         """DESIGN.md §4, across the Token Tables and vLLM's block pool."""
-        ref = np.fromiter(
-            (b.ref_cnt for b in self.block_pool.blocks), dtype=np.int64
-        )
+        ref = np.fromiter((b.ref_cnt for b in self.block_pool.blocks), dtype=np.int64)
         self.pool.check_integrity(block_ref_cnt=ref)
         B = self.block_size
         holders = np.zeros_like(ref)
