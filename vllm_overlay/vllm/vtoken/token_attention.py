@@ -13,7 +13,8 @@ The causal mask is bottom-right in live-index space: query i of Lq sees keys
 `[0, Lk - Lq + i]`. RoPE positions stay logical; only the read changes.
 
 - CPU (CPU_ATTN, ISA vec/vec16): one gather of all requests' K/V per layer
-  call, then SDPA per request, or explicit softmax when scores are wanted.
+  call; decode requests (one query each) then run as one padded batch, the
+  others with SDPA per request, or explicit softmax when scores are wanted.
 - GPU (TRITON_ATTN): vLLM's `unified_attention` over one-token pages with a
   row-id token table; no kernel change.
 """
@@ -95,10 +96,15 @@ def cpu_token_attention(
     out = output.view(output.shape[0], num_q_heads, head_dim)
     key, value = gather_live_kv(key_cache, value_cache, kv_slots)
     gqa = num_q_heads != key.shape[1]
-    read_slots, masses = [], []
+    mass_of: dict[int, torch.Tensor] = {}  # request -> attention mass per key
+    decode = [r for r in range(len(q_loc) - 1) if q_loc[r + 1] - q_loc[r] == 1]
+    if len(decode) > 1:
+        masses = _decode_batched(query, key, value, out, q_loc, kv_loc, decode, scale)
+        mass_of.update(zip(decode, masses, strict=True))
+    batched = set(decode) if len(decode) > 1 else set()
     for r in range(len(q_loc) - 1):
         q0, q1, k0, k1 = q_loc[r], q_loc[r + 1], kv_loc[r], kv_loc[r + 1]
-        if q1 == q0:
+        if q1 == q0 or r in batched:
             continue
         if k1 - k0 < q1 - q0:
             raise ValueError(f"request {r}: {k1 - k0} live slots < {q1 - q0} queries")
@@ -113,11 +119,48 @@ def cpu_token_attention(
         else:
             probs = _probs(q, k, mask, scale)  # [Hq, Lq, Lk] fp32
             o = probs @ _repeat_kv(v, num_q_heads).float()
-            read_slots.append(kv_slots[k0:k1])
-            masses.append(probs.sum(dim=(0, 1)))
+            mass_of[r] = probs.sum(dim=(0, 1))
         out[q0:q1] = o.transpose(0, 1)
-    if scores is not None and read_slots:
-        scores.add(torch.cat(read_slots), torch.cat(masses))
+    if scores is not None and mass_of:
+        order = sorted(mass_of)
+        scores.add(
+            torch.cat([kv_slots[kv_loc[r] : kv_loc[r + 1]] for r in order]),
+            torch.cat([mass_of[r] for r in order]),
+        )
+
+
+def _decode_batched(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    q_loc: list[int],
+    kv_loc: list[int],
+    rows: list[int],
+    scale: float,
+) -> list[torch.Tensor]:
+    # Requests with one query each, in one padded batch: a handful of ops per
+    # layer instead of several per request, which dominate CPU decode steps.
+    # Returns each request's attention mass per live key.
+    starts = torch.tensor([kv_loc[r] for r in rows])
+    lens = torch.tensor([kv_loc[r + 1] - kv_loc[r] for r in rows])
+    if (lens < 1).any():
+        raise ValueError("a decode request has no live slot")
+    pos = torch.arange(int(lens.max()))
+    valid = pos[None, :] < lens[:, None]  # [R, W]
+    idx = torch.where(valid, starts[:, None] + pos[None, :], 0)
+    q_rows = [q_loc[r] for r in rows]
+    num_reqs, num_q_heads, head_dim = len(rows), query.shape[1], query.shape[2]
+    heads = key.shape[1]
+    # GQA: query head h * G + g reads KV head h, as _repeat_kv does.
+    q = query[q_rows].float().view(num_reqs, heads, num_q_heads // heads, head_dim)
+    logits = torch.einsum("rhgd,rwhd->rhgw", q, key[idx].float()) * scale
+    logits.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = logits.softmax(dim=-1)
+    o = torch.einsum("rhgw,rwhd->rhgd", probs, value[idx].float())
+    out[q_rows] = o.reshape(num_reqs, num_q_heads, head_dim).to(out.dtype)
+    mass = probs.sum(dim=(1, 2))  # [R, W]
+    return [mass[i, : int(n)] for i, n in enumerate(lens)]
 
 
 def _repeat_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
