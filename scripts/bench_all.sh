@@ -11,6 +11,6 @@ bench() { echo "== $*" >&2; "$VTOKEN_PY" scripts/bench_vtoken.py "$@"; }
 bench memory --requests 8 --prompt-len 128 --gen-len 256 --budget 128 "$@"
 bench capacity --pools 64 128 --prompt-len 64 --gen-len 128 \
   --concurrency 2 3 4 6 8 10 12 16 "$@"
-bench overhead --requests 8 --prompt-len 128 --gen-len 128 --repeats 3 "$@"
+bench overhead --requests 8 --prompt-len 128 --gen-len 128 --repeats 5 "$@"
 bench sla --pool 96 --budget 128 --gen-len 128 --num-prompts 24 --rates 0.5 1 2 "$@"
 "$VTOKEN_PY" scripts/bench_report.py

@@ -145,6 +145,9 @@ def overhead_section(d: dict) -> list[str]:
         f"| p95 request latency | {d['p95_ratio_median']:.3f} | "
         + ", ".join(f"{x:.3f}" for x in d["p95_ratios"])
         + " | < 1.01 |",
+        f"| median step time | {d['step_time_ratio_median']:.3f} | "
+        + ", ".join(f"{x:.3f}" for x in d["step_time_ratios"])
+        + " | < 1.01 |",
         "",
     ]
 
