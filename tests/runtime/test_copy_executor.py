@@ -5,19 +5,12 @@ checked on CPU tensors under TRITON_INTERPRET=1 (in a child process, so the
 interpreter never leaks into other tests); `gpu` tests check stream ordering.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 import torch
 
+from tests.runtime.interpreter import run_under_interpreter
 from vllm.vtoken.copy_executor import KVCopyExecutor
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-CONFTEST = os.path.join(os.path.dirname(HERE), "conftest.py")
 
 
 def make_caches(
@@ -201,10 +194,7 @@ def test_bad_caches_raise():
         KVCopyExecutor([c.transpose(3, 4) for c in square], "cpu", 16)
 
 
-_INTERP_CHILD = textwrap.dedent("""
-    import runpy, sys
-    runpy.run_path(sys.argv[1])  # tests/conftest.py: use this checkout's overlay
-    import numpy as np, torch
+_INTERP_CHILD = """
     from vllm.vtoken.copy_executor import KVCopyExecutor
     from vllm.vtoken.kv_copy_triton import TritonKVSlotCopier
 
@@ -233,19 +223,11 @@ _INTERP_CHILD = textwrap.dedent("""
     assert check((2, 4, 2, 16, 1, 5), torch.uint8) == 1     # fp8-style caches
     assert check((4, 2, 2, 16, 2, 8), torch.bfloat16, slices=True) == 4
     print("KV-COPY-OK")
-""")
+"""
 
 
 def test_triton_copy_kernel_matches_torch_path_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERP_CHILD, CONFTEST],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and "KV-COPY-OK" in proc.stdout, proc.stderr[-3000:]
+    run_under_interpreter(_INTERP_CHILD, "KV-COPY-OK")
 
 
 # --------------------------------------------------------------- GPU: streams

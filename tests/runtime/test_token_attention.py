@@ -4,15 +4,11 @@ Caches are written with vLLM's own CPU writer (`cpu_attn_reshape_and_cache`),
 so the oracle is independent of the read path's index math.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 import torch
 
+from tests.runtime.interpreter import run_under_interpreter
 from vllm.vtoken.copy_executor import KVCopyExecutor
 from vllm.vtoken.scores import attention_mass_reference
 from vllm.vtoken.token_attention import (
@@ -26,9 +22,6 @@ ops = pytest.importorskip(
     "vllm._custom_ops",
     reason="vLLM CPU _C ops did not load (see LD_PRELOAD in ENVIRONMENT.md)",
 )
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-CONFTEST = os.path.join(os.path.dirname(HERE), "conftest.py")
 
 
 class RecordingScores:
@@ -356,16 +349,7 @@ def test_build_token_table_exact_rows():
         build_token_table(np.array([0, 3, 6]), slots, block, 64)
 
 
-_INTERP_CHILD = textwrap.dedent("""
-    import runpy, sys
-    runpy.run_path(sys.argv[1])  # tests/conftest.py: use this checkout's overlay
-    import numpy as np, torch
-    import triton, triton.language as tl
-    import triton.language.extra.libdevice as tldevice
-    import vllm.triton_utils as tu
-    # vLLM hands out a placeholder when no GPU driver is found; the real module
-    # runs under TRITON_INTERPRET=1 on CPU tensors.
-    tu.HAS_TRITON, tu.triton, tu.tl, tu.tldevice = True, triton, tl, tldevice
+_INTERP_CHILD = """
     import vllm._custom_ops as ops
     from vllm.vtoken.token_attention import (
         build_token_table, cpu_token_attention, triton_token_attention)
@@ -396,19 +380,11 @@ _INTERP_CHILD = textwrap.dedent("""
                            scale=D ** -0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     print("TRITON-ATTN-OK")
-""")
+"""
 
 
 def test_triton_token_attention_matches_cpu_path_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERP_CHILD, CONFTEST],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and "TRITON-ATTN-OK" in proc.stdout, proc.stderr[-3000:]
+    run_under_interpreter(_INTERP_CHILD, "TRITON-ATTN-OK")
 
 
 @pytest.mark.gpu

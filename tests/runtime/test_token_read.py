@@ -8,22 +8,9 @@ and after the table is reused by a second layer.
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-import textwrap
+from tests.runtime.interpreter import run_under_interpreter
 
-CONFTEST = str(pathlib.Path(__file__).resolve().parents[1] / "conftest.py")
-
-_CHILD = textwrap.dedent("""
-    import runpy, sys
-    runpy.run_path(sys.argv[1])  # tests/conftest.py: use this checkout's overlay
-    import numpy as np, torch
-    import triton, triton.language as tl
-    import triton.language.extra.libdevice as tldevice
-    import vllm.triton_utils as tu
-    tu.HAS_TRITON, tu.triton, tu.tl, tu.tldevice = True, triton, tl, tldevice
+_CHILD = """
     from vllm.vtoken.context import TokenRead
     from vllm.vtoken.scores import ScoreAccumulator
 
@@ -62,15 +49,8 @@ _CHILD = textwrap.dedent("""
     np.testing.assert_allclose(accs[1], accs[0], atol=1e-5, rtol=1e-5)
     assert accs[0].sum() > 0
     print("TOKEN-READ-OK")
-""")
+"""
 
 
 def test_cpu_and_triton_reads_agree_under_interpreter():
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, CONFTEST],
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0 and "TOKEN-READ-OK" in proc.stdout, proc.stderr[-3000:]
+    run_under_interpreter(_CHILD, "TOKEN-READ-OK")
