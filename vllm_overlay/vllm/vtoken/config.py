@@ -51,9 +51,11 @@ class VTokenConfig:
     also compact the live tokens of under-used blocks into fewer blocks and free
     the emptied ones."""
 
-    kv_reclaim_threshold: float = Field(default=0.9, gt=0.0, le=1.0)
+    kv_reclaim_threshold: float = Field(default=1.0, gt=0.0, le=1.0)
     """A full block whose live-token utilization is below this fraction is a
-    compaction source (vtoken mode)."""
+    compaction source (vtoken mode). The planner only packs sources whose
+    packing frees blocks, so 1.0 (any block with a dead token) packs tightest;
+    lower values move fewer bytes."""
 
     kv_reclaim_margin: int = Field(default=2, ge=0)
     """Free blocks kept in reserve beyond the next step's growth: compaction
