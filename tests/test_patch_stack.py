@@ -8,6 +8,7 @@ by scripts/setup_env.sh to $VTOKEN_PRISTINE.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import pathlib
 import re
@@ -17,6 +18,12 @@ import subprocess
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location(
+    "check_patches", REPO / "scripts/check_patches.py"
+)
+check_patches = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check_patches)
+
 PRISTINE = pathlib.Path(
     os.environ.get(
         "VTOKEN_PRISTINE", pathlib.Path.home() / ".cache/vtoken/pristine-0.18.0"
@@ -25,12 +32,7 @@ PRISTINE = pathlib.Path(
 
 
 def series() -> list[str]:
-    out = []
-    for line in (REPO / "patches/series").read_text().splitlines():
-        line = re.sub(r"(^|\s)#.*$", "", line).strip()
-        if line:
-            out.append(line)
-    return out
+    return check_patches.series_entries(REPO / "patches")
 
 
 def touched_files() -> set[str]:

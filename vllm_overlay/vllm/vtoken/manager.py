@@ -146,7 +146,7 @@ class VTokenScheduler:
         self.counters.copy_bytes = out.copy_bytes
         for batch_id in out.acked_batches:
             batch, sources = self._inflight.pop(batch_id)
-            self._unbusy(batch_id, batch.dst_slots // self.block_size)
+            self._unbusy(batch_id, np.unique(batch.dst_slots // self.block_size))
             for rid, idx, _, dst in batch.per_request():
                 blocks = sources.get(rid)
                 if blocks is None:  # finished or preempted while in flight
