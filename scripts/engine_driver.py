@@ -15,11 +15,21 @@ runner. SPEC keys:
     prompts     list of prompt token-id lists, or
     sharegpt    {"n": N, "min_tokens": a, "max_tokens": b, "skip": s}: first
                 human turns of the repaired ShareGPT file, tokenized, cut to b
+    random      {"n": N, "min_tokens": a, "max_tokens": b, "seed": s}: N prompts
+                of b uniformly random token ids (a is ignored: the lengths match
+                the ShareGPT source's for the same a = b); for dummy-weight
+                models, where the text means nothing
     max_tokens  generation length (int, or one per prompt); EOS is ignored
     arrivals    optional step at which each request is added (default 0)
     aborts      optional {request index: step} to abort mid-generation
   histogram   record, every step, how many held blocks have 0..B live tokens
   stop_on_preemption   skip the remaining waves once one saw a preemption
+  count_calls  count the Python function calls each engine step makes (a
+              deterministic measure of interpreted work; slows the run down)
+  search      {"lo": a, "hi": b, "wave": W}: instead of waves, bisect for the
+              largest N in [a, b] such that N requests of workload W (its
+              prompt source's "n" is set to N) all run at once with no
+              preemption
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ import os
 import sys
 import time
 
-WORKLOAD_KEYS = ("prompts", "sharegpt", "max_tokens", "arrivals", "aborts")
+WORKLOAD_KEYS = ("prompts", "sharegpt", "random", "max_tokens", "arrivals", "aborts")
+PROMPT_SOURCES = ("sharegpt", "random")
 
 
 def sharegpt_prompts(
@@ -55,6 +66,19 @@ def sharegpt_prompts(
     return prompts
 
 
+def random_prompts(
+    tokenizer, n: int, min_tokens: int, max_tokens: int, seed: int = 0
+) -> list[list[int]]:
+    import numpy as np
+
+    special = set(tokenizer.all_special_ids)
+    vocab = np.asarray(
+        [i for i in range(len(tokenizer)) if i not in special], dtype=np.int64
+    )
+    rng = np.random.default_rng(seed)
+    return [rng.choice(vocab, size=max_tokens).tolist() for _ in range(n)]
+
+
 def block_state(sched, block_size: int, histogram: bool) -> dict:
     """Blocks and live tokens held by running requests, from the scheduler."""
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
@@ -65,7 +89,6 @@ def block_state(sched, block_size: int, histogram: bool) -> dict:
         rid = req.request_id
         blocks = [b for b in mgr.req_to_blocks.get(rid, ()) if not b.is_null]
         if vt is not None:
-            blocks += vt.extra_blocks.get(rid, [])
             if rid in vt.pool:
                 live[rid] = vt.pool.num_live(rid)
         else:
@@ -85,7 +108,34 @@ def block_state(sched, block_size: int, histogram: bool) -> dict:
     return out
 
 
-def run_wave(engine, sched, tok, wave: dict, histogram: bool, tag: str) -> dict:
+class CallCounter:
+    """Counts Python function calls on this thread (where the in-process engine
+    core, scheduler and CPU worker all run) while active."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _hook(self, frame, event, arg) -> None:
+        if event == "call":
+            self.calls += 1
+
+    def __enter__(self) -> CallCounter:
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+
+
+def run_wave(
+    engine,
+    sched,
+    tok,
+    wave: dict,
+    histogram: bool,
+    tag: str,
+    counter: CallCounter | None = None,
+) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -93,6 +143,8 @@ def run_wave(engine, sched, tok, wave: dict, histogram: bool, tag: str) -> dict:
     block_size = sched.block_size
     if "prompts" in wave:
         prompts = wave["prompts"]
+    elif "random" in wave:
+        prompts = random_prompts(tok, **wave["random"])
     else:
         prompts = sharegpt_prompts(tok, **wave["sharegpt"])
     lengths = wave["max_tokens"]
@@ -121,7 +173,12 @@ def run_wave(engine, sched, tok, wave: dict, histogram: bool, tag: str) -> dict:
         to_abort = [f"{tag}{i}" for i, at in aborts.items() if at == step]
         if to_abort:
             engine.abort_request(to_abort)
-        for out in engine.step():
+        if counter is not None:
+            with counter:
+                outs = engine.step()
+        else:
+            outs = engine.step()
+        for out in outs:
             if out.finished:
                 rid = out.request_id.removeprefix(tag)
                 outputs[rid] = list(out.outputs[0].token_ids)
@@ -187,12 +244,42 @@ def main() -> None:
 
     sched.schedule = counting_schedule
 
-    waves = spec.get("waves") or [{k: spec[k] for k in WORKLOAD_KEYS if k in spec}]
     histogram = bool(spec.get("histogram"))
     tok = llm.get_tokenizer()
     results = []
+    if "search" in spec:
+        search = spec["search"]
+
+        def sustains(n: int) -> bool:
+            wave = dict(search["wave"])
+            for key in PROMPT_SOURCES:
+                if key in wave:
+                    wave[key] = {**wave[key], "n": n}
+            run = run_wave(engine, sched, tok, wave, False, tag=f"n{n}-")
+            run["n"] = n
+            results.append(run)
+            return run["preemptions"] == 0 and run["max_scheduled"] == n
+
+        lo, hi = search["lo"], search["hi"]
+        if not sustains(lo):
+            lo -= 1  # below the range: the search reports lo - 1
+        while lo < hi:  # invariant: lo sustained (or below range), hi + 1 not
+            mid = (lo + hi + 1) // 2
+            if sustains(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        best = [r for r in results if r["n"] == lo]
+        waves = []
+    else:
+        waves = spec.get("waves") or [{k: spec[k] for k in WORKLOAD_KEYS if k in spec}]
     for i, w in enumerate(waves):
-        results.append(run_wave(engine, sched, tok, w, histogram, tag=f"w{i}-"))
+        counter = CallCounter() if spec.get("count_calls") else None
+        results.append(
+            run_wave(engine, sched, tok, w, histogram, tag=f"w{i}-", counter=counter)
+        )
+        if counter is not None:
+            results[-1]["python_calls"] = counter.calls
         if spec.get("stop_on_preemption") and results[-1]["preemptions"]:
             break
     vt = getattr(sched, "vtoken", None)
@@ -203,7 +290,10 @@ def main() -> None:
         "counters": dataclasses.asdict(vt.counters) if vt is not None else None,
         "startup_s": startup_s,
     }
-    if "waves" not in spec:
+    if "search" in spec:
+        result["max_concurrency"] = lo
+        result["at_max"] = best[0] if best else None
+    elif "waves" not in spec:
         result.update(results[0])
     if vt is not None:
         vt.check_integrity()

@@ -66,9 +66,9 @@ def test_policy_sets_up_and_turns_async_scheduling_off():
             {
                 "kv_eviction_policy": "h2o",
                 "kv_budget_tokens": 64,
-                "kv_reclaim_margin": -1,
+                "kv_reclaim_threshold": 0.0,
             },
-            "kv_reclaim_margin",
+            "kv_reclaim_threshold",
         ),
         (
             {
@@ -112,7 +112,6 @@ def test_cli_lists_the_group_and_the_vllm_command_starts():
         "--kv-eviction-config",
         "--kv-reclaim ",
         "--kv-reclaim-threshold",
-        "--kv-reclaim-margin",
     ):
         assert flag in out.stdout
     version = subprocess.run([vllm, "--version"], capture_output=True, text=True)

@@ -16,7 +16,7 @@ import torch
 B = 4
 
 
-def setup(reclaim: str):
+def setup(reclaim: str, caching: bool = False):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import (
@@ -39,7 +39,7 @@ def setup(reclaim: str):
         ),
         max_model_len=64,
         hash_block_size=B,
-        enable_caching=False,
+        enable_caching=caching,
     )
     cfg = VTokenConfig(
         kv_eviction_policy="streamingllm",
@@ -47,9 +47,21 @@ def setup(reclaim: str):
         kv_eviction_config={"num_sinks": 1},
         kv_reclaim=reclaim,
         kv_reclaim_threshold=1.0,
-        kv_reclaim_margin=0,
     )
-    req = Request("A", list(range(100, 112)), SamplingParams(max_tokens=8), None)
+    hasher = None
+    if caching:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(B, sha256)
+    req = Request(
+        "A",
+        list(range(100, 112)),
+        SamplingParams(max_tokens=8),
+        None,
+        block_hasher=hasher,
+    )
     requests = {"A": req}
     return kv, VTokenScheduler(cfg, kv, B, requests), req
 
@@ -81,6 +93,8 @@ def test_hand_computed_step(reclaim):
     assert (s.retained_blocks, s.live_tokens, s.evicted_tokens) == (3, 12, 0)
     assert s.token_utilization == 1.0 and s.intra_block_waste == 0.0
 
+    b0, b1, b2 = kv.get_block_ids("A")[0]
+
     # Step 2: 12 live > budget 6, so StreamingLLM (1 sink) evicts the 6 oldest
     # non-sink tokens 1..6; token 11 (last attended) is protected. Live: 0, 7,
     # 8-11 and the new token 12. Blocks 0 and 1 keep one live token each.
@@ -97,21 +111,22 @@ def test_hand_computed_step(reclaim):
         assert (s.reclaimed_blocks, s.moved_tokens) == (0, 0)
         assert kv.block_pool.get_num_free_blocks() == free0 - 4
     else:
-        # Six dead slots >= one block's worth, so A is planned. Candidates under
-        # 1.0: blocks 0 and 1 (1 live each; block 2 is full of live tokens).
-        # Packing both frees 2 blocks for 1 destination: tokens 0 and 7 move to
-        # offsets 0 and 1 of a fresh block, then blocks 0 and 1 are freed.
+        # Six dead slots >= one block's worth, so A is planned, in place. Its
+        # full blocks b0, b1, b2 (the tail b3 is being written) hold 3 + 3 + 0
+        # holes: enough to empty floor(6 / 4) = 1 block. Sparsest first (b0 and
+        # b1 tie at 1 live; input order wins): token 0 moves into the first
+        # hole of the densest block with one, b1 offset 0, and b0 is freed.
         m = out.moves
-        assert m.idx.tolist() == [0, 7]
-        dst_block = int(m.dst_slots[0]) // B
-        assert m.dst_slots.tolist() == [dst_block * B, dst_block * B + 1]
-        assert vt.pool.slots("A")[[0, 7]].tolist() == m.dst_slots.tolist()
-        # Held: blocks 2, 3 and the destination = 12 slots; written: tokens 8-12
-        # in blocks 2-3 plus 2 in the destination = 7 = live, so no dead slot.
+        assert m.idx.tolist() == [0]
+        assert m.src_slots.tolist() == [b0 * B] and m.dst_slots.tolist() == [b1 * B]
+        assert vt.pool.slots("A")[0] == b1 * B
+        assert kv.get_block_ids("A")[0][0] == 0  # b0 null-replaced
+        # Held: b1, b2, b3 = 12 slots; written: 13 positional slots minus b0's
+        # 4 = 9; live 7 (0 and 7 in b1, 8-11 in b2, 12 in b3): 2 dead slots.
         assert s.retained_blocks == 3
         assert s.token_utilization == pytest.approx(7 / 12)
-        assert s.intra_block_waste == 0.0
-        assert (s.reclaimed_blocks, s.moved_tokens) == (2, 2)
+        assert s.intra_block_waste == pytest.approx(2 / 12)
+        assert (s.reclaimed_blocks, s.moved_tokens) == (1, 1)
         assert kv.block_pool.get_num_free_blocks() == free0 - 3
     # Counters are deltas: a second read in the same interval reports none.
     again = vt.make_stats([req])
@@ -121,11 +136,11 @@ def test_hand_computed_step(reclaim):
         0,
     )
 
-    # Finish: every block returns to the pool, including the destination.
+    # Finish: every block returns to the pool.
     vt.on_free(req)
     kv.free(req)
     assert kv.block_pool.get_num_free_blocks() == free0
-    assert "A" not in vt.pool and not vt.extra_blocks
+    assert "A" not in vt.pool and not vt._nulls
 
 
 def test_preemption_keeps_dead_set_and_frees_everything():
@@ -134,7 +149,7 @@ def test_preemption_keeps_dead_set_and_frees_everything():
     step(kv, vt, req, 12, running=[])
     step(kv, vt, req, 1, running=[req])
     dead = vt.pool.dead_idx("A").tolist()
-    # Preempt: the extra block goes back now, vLLM frees the positional ones.
+    # Preempt: vLLM frees the blocks; the Token Table keeps the dead set.
     vt.on_preempt(req)
     kv.free(req)
     req.num_computed_tokens = 0
@@ -145,3 +160,21 @@ def test_preemption_keeps_dead_set_and_frees_everything():
     assert vt.pool.num_slotted("A") == 14
     assert vt.pool.dead_idx("A").tolist() == dead
     assert np.count_nonzero(vt.pool.block_live) == 4  # every block has a live token
+
+
+def test_compaction_destinations_leave_the_prefix_cache():
+    """A hole filled by a move changes the block's content: its hash must go;
+    the emptied source keeps its KV intact, so it stays a valid cache entry."""
+    kv, vt, req = setup("vtoken", caching=True)
+    step(kv, vt, req, 12, running=[])
+    b0, b1, b2 = (kv.block_pool.blocks[i] for i in kv.get_block_ids("A")[0])
+    assert all(b.block_hash is not None for b in (b0, b1, b2))
+    out = step(kv, vt, req, 1, running=[req])  # as in test_hand_computed_step
+    assert out.moves.dst_slots.tolist() == [b1.block_id * B]
+    assert b1.block_hash is None  # destination: out of the cache
+    assert b0.block_hash is not None and b0.ref_cnt == 0  # freed, still cached
+    assert b2.block_hash is not None  # untouched
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    hits = kv.block_pool.get_cached_block(get_block_hash(b0.block_hash), [0])
+    assert hits is not None and hits[0] is b0

@@ -31,7 +31,7 @@ def test_vtoken_runs_more_requests_at_once(engine):
     conc_n = max(s["running"] for s in naive["steps"])
     conc_v = max(s["running"] for s in vtoken["steps"])
     assert conc_v > conc_n, (conc_v, conc_n)
-    # No preemption storm: compaction keeps the margin, so it never causes more.
+    # No preemption storm: compaction is in place, it never takes a block.
     assert vtoken["preemptions"] <= naive["preemptions"]
     assert len(vtoken["steps"]) < len(naive["steps"])  # finishes sooner
     for run in (naive, vtoken):

@@ -1,7 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""plan_blocks / pack_request: exact plans, admission edge cases, oracle."""
-
-import math
+"""plan_blocks / pack_request: exact in-place plans, a loop reference, oracle."""
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ def plan(per_req: list[list[tuple[int, int]]], **kw) -> BlockPlan:
     """per_req: for each request, its eligible (block_id, live) pairs."""
     indptr = np.cumsum([0] + [len(r) for r in per_req])
     flat = [p for r in per_req for p in r]
-    args = dict(threshold=0.9, free_blocks=100, margin=0, block_size=B)
+    args = dict(threshold=0.9, block_size=B)
     args.update(kw)
     return plan_blocks(
         req_indptr=indptr,
@@ -26,103 +24,83 @@ def plan(per_req: list[list[tuple[int, int]]], **kw) -> BlockPlan:
     )
 
 
-def as_lists(p: BlockPlan) -> list[tuple[int, list[int], int]]:
+def as_lists(p: BlockPlan) -> list[tuple[int, list[int], list[int]]]:
+    """(request, sources, destinations) per planned request."""
     return [
         (
             int(r),
             p.src_block_ids[p.src_indptr[k] : p.src_indptr[k + 1]].tolist(),
-            int(p.num_dst[k]),
+            p.dst_block_ids[p.dst_indptr[k] : p.dst_indptr[k + 1]].tolist(),
         )
         for k, r in enumerate(p.req_index)
     ]
 
 
-def test_greedy_packing_exact_blocks():
+def test_in_place_plans_exact_blocks():
     p = plan(
         [
-            [(7, 1), (3, 2), (5, 4), (9, 3)],  # 7+3 -> 1 block; adding 9 gains 0
-            [(1, 0), (2, 3)],  # all-dead block 1 alone: gain 1, ties -> k=1
-            [(4, 3)],  # one block: gain 0, no plan
+            # holes 3 + 2 + 0 + 1 = 6: one block can empty, the sparsest (7);
+            # its one token goes to the densest block with a hole, 9 (3 live).
+            [(7, 1), (3, 2), (5, 4), (9, 3)],
+            [(1, 0), (2, 3)],  # all-dead block 1: holes 5, empties 1, no moves
+            [(4, 3)],  # one hole: nothing to gain, no plan
+            # holes 9: two blocks empty, 11 then 6 (3 tokens): 8 and 10 take them
+            [(6, 2), (8, 2), (10, 2), (11, 1)],
         ]
     )
-    assert as_lists(p) == [(0, [7, 3], 1), (1, [1], 0)]
-    assert p.src_block_ids.dtype == np.int32 and p.num_dst.dtype == np.int64
-    assert p.src_indptr.tolist() == [0, 2, 3]
-    assert p.blocks_freed == 2 and p.num_deferred == 0
+    assert as_lists(p) == [
+        (0, [7], [9]),
+        (1, [1], []),
+        (3, [11, 6], [8, 10]),
+    ]
+    assert p.src_block_ids.dtype == np.int32 and p.dst_block_ids.dtype == np.int32
+    assert p.src_indptr.tolist() == [0, 1, 2, 4]
+    assert p.dst_indptr.tolist() == [0, 1, 1, 3]
+    assert p.blocks_freed == 4
 
 
 def test_nothing_to_do():
     for per_req in ([], [[]], [[(1, 4), (2, 4)]], [[(1, 3)], [(2, 2)]]):
         p = plan(per_req)
         assert p.req_index.size == 0 and p.src_block_ids.size == 0
-        assert p.src_indptr.tolist() == [0] and p.blocks_freed == 0
-        assert p.num_deferred == 0
+        assert p.src_indptr.tolist() == [0] and p.dst_indptr.tolist() == [0]
+        assert p.blocks_freed == 0
 
 
 def test_threshold_is_strict_and_selects_candidates():
     # live/B == threshold is not a candidate: 2/4 == 0.5.
     assert plan([[(1, 2), (2, 2)]], threshold=0.5).req_index.size == 0
-    assert as_lists(plan([[(1, 2), (2, 2)]], threshold=0.51)) == [(0, [1, 2], 1)]
-    # Only blocks under 0.3 qualify: 1 and 6 (1 live each), not 2 (3 live).
-    assert as_lists(plan([[(1, 1), (2, 3), (6, 1)]], threshold=0.3)) == [(0, [1, 6], 1)]
-
-
-def test_all_dead_blocks_need_no_destination_even_under_margin():
-    p = plan([[(3, 0), (8, 0), (9, 1)], [(4, 1), (5, 1)]], free_blocks=2, margin=2)
-    # Request 0: best prefix takes the two dead blocks and block 9 (3 - 1 = 2,
-    # ties with k=2 -> smaller k = 2 dead blocks). Request 1 needs 1: deferred.
-    assert as_lists(p) == [(0, [3, 8], 0)]
-    assert p.num_deferred == 1 and p.blocks_freed == 2
-
-
-def test_margin_blocks_everything():
-    p = plan([[(1, 1), (2, 1)], [(3, 2), (4, 1)]], free_blocks=3, margin=5)
-    assert p.req_index.size == 0 and p.num_deferred == 2
-
-
-def test_partial_admission_by_gain_per_destination():
-    per_req = [
-        [(10, 3), (11, 3), (12, 3), (13, 3)],  # 4 blocks -> 3: gain 1, need 3
-        [(20, 1), (21, 1), (22, 1), (23, 1)],  # 4 -> 1: gain 3, need 1
-        [(30, 2), (31, 2), (32, 2), (33, 1)],  # 4 -> 2: gain 2, need 2
+    assert as_lists(plan([[(1, 2), (2, 2)]], threshold=0.51)) == [(0, [1], [2])]
+    # Only blocks under 0.3 are sources (1 and 6: 1 live each), but block 2's
+    # hole still takes a token: holes 3 + 1 + 3 = 7, one block empties.
+    assert as_lists(plan([[(1, 1), (2, 3), (6, 1)]], threshold=0.3)) == [(0, [1], [2])]
+    # Holes enough for two, but only one candidate under the threshold.
+    assert as_lists(plan([[(1, 1), (2, 2), (3, 2), (5, 2)]], threshold=0.3)) == [
+        (0, [1], [2])
     ]
-    assert plan(per_req, free_blocks=6, margin=0).num_deferred == 0
-    p = plan(per_req, free_blocks=5, margin=1)  # 4 destinations allowed
-    assert as_lists(p) == [
-        (1, [20, 21, 22, 23], 1),
-        (2, [33, 30, 31, 32], 2),
-    ]
-    assert p.num_deferred == 1 and p.blocks_freed == 5
-    p = plan(per_req, free_blocks=2, margin=0)  # after 1, request 2 does not fit
-    assert as_lists(p) == [(1, [20, 21, 22, 23], 1)] and p.num_deferred == 2
 
 
-def brute_force(per_req, threshold, free_blocks, margin):
+def brute_force(per_req, threshold):
     """Loop reference of the documented rule."""
-    best = []
+    out = []
     for r, blocks in enumerate(per_req):
-        cand = [(n, i, b) for i, (b, n) in enumerate(blocks) if n / B < threshold]
-        cand.sort()
-        top, top_k = 0, 0
-        for k in range(1, len(cand) + 1):
-            g = k - math.ceil(sum(n for n, _, _ in cand[:k]) / B)
-            if g > top:
-                top, top_k = g, k
-        if top > 0:
-            need = math.ceil(sum(n for n, _, _ in cand[:top_k]) / B)
-            best.append((r, [b for _, _, b in cand[:top_k]], need, top))
-    budget = max(free_blocks - margin, 0)
-    if sum(x[2] for x in best) <= budget:
-        return [x[:3] for x in best], 0
-    ranked = sorted(best, key=lambda x: (-(x[3] / x[2] if x[2] else math.inf), x[0]))
-    admitted, used = [], 0
-    for x in ranked:
-        if used + x[2] > budget:
-            break
-        used += x[2]
-        admitted.append(x)
-    admitted.sort()
-    return [x[:3] for x in admitted], len(best) - len(admitted)
+        holes = sum(B - n for _, n in blocks)
+        cand = sorted((n, i, b) for i, (b, n) in enumerate(blocks) if n / B < threshold)
+        k = min(len(cand), holes // B)
+        if k == 0:
+            continue
+        src = [b for _, _, b in cand[:k]]
+        dst = sorted(
+            (B - n, i, b) for i, (b, n) in enumerate(blocks) if b not in src and n < B
+        )
+        need, used = sum(n for n, _, _ in cand[:k]), []
+        for h, _, b in dst:  # as many destinations as the moved tokens need
+            if need <= 0:
+                break
+            used.append(b)
+            need -= h
+        out.append((r, src, used))
+    return out
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -137,10 +115,9 @@ def test_matches_loop_reference(seed):
         )
         at += n
     threshold = float(rng.choice([0.3, 0.5, 0.75, 1.0]))
-    free, margin = int(rng.integers(0, 12)), int(rng.integers(0, 4))
-    p = plan(per_req, threshold=threshold, free_blocks=free, margin=margin)
-    want, deferred = brute_force(per_req, threshold, free, margin)
-    assert as_lists(p) == want and p.num_deferred == deferred
+    assert as_lists(plan(per_req, threshold=threshold)) == brute_force(
+        per_req, threshold
+    )
 
 
 def test_plan_blocks_validates_arguments():
@@ -150,53 +127,55 @@ def test_plan_blocks_validates_arguments():
         block_live=np.array([1, 1]),
         block_size=B,
         threshold=0.9,
-        free_blocks=4,
-        margin=0,
     )
     plan_blocks(**good)
     bad = [
         dict(threshold=0.0),
         dict(threshold=1.5),
-        dict(margin=-1),
-        dict(free_blocks=-1),
+        dict(block_size=0),
         dict(req_indptr=np.array([0, 1])),  # does not end at N
         dict(req_indptr=np.array([1, 2])),  # does not start at 0
         dict(req_indptr=np.array([0, 2, 1, 2])),  # decreasing
         dict(block_live=np.array([1])),  # misaligned
         dict(block_live=np.array([1, B + 1])),  # more live than slots
-        dict(block_ids=np.array([1, 1], dtype=np.int32)),  # repeated source
+        dict(block_ids=np.array([1, 1], dtype=np.int32)),  # repeated block
     ]
     for change in bad:
         with pytest.raises(ValueError):
             plan_blocks(**{**good, **change})
 
 
-def test_pack_request_exact_slots_in_logical_order():
-    # Live tokens: idx 0 in block 7, idx 5-6 in block 3, idx 9 in block 5 (kept).
+def test_pack_request_fills_holes_in_order():
+    # Live tokens: idx 0 in source block 7 (slot 29), idx 5-6 in source block
+    # 3 (slots 13, 14); block 5 holds idx 9 at offset 0 (slot 20), block 2 holds
+    # idx 10-11 at offsets 1, 3 (slots 9, 11). Holes: block 5 offsets 1-3, block
+    # 2 offsets 0, 2 -- taken in the given destination order, offsets ascending.
     m = pack_request(
-        live_idx=np.array([0, 5, 6, 9]),
-        live_slots=np.array([29, 13, 14, 20]),
+        live_idx=np.array([0, 5, 6, 9, 10, 11]),
+        live_slots=np.array([29, 13, 14, 20, 9, 11]),
         src_block_ids=np.array([7, 3], dtype=np.int32),
-        dst_block_ids=np.array([9]),
+        dst_block_ids=np.array([2, 5]),
         block_size=B,
     )
     assert m.idx.tolist() == [0, 5, 6]
     assert m.src_slots.tolist() == [29, 13, 14]
-    assert m.dst_slots.tolist() == [36, 37, 38]
-    m = pack_request(
-        live_idx=np.arange(6),
-        live_slots=np.array([4, 5, 6, 8, 9, 10]),
-        src_block_ids=np.array([1, 2]),
-        dst_block_ids=np.array([11, 6]),
-        block_size=B,
-    )
-    assert m.dst_slots.tolist() == [44, 45, 46, 47, 24, 25]
+    assert m.dst_slots.tolist() == [8, 10, 21]
     for arr in (m.idx, m.src_slots, m.dst_slots):
         assert arr.dtype == np.int64
+    # An untouched block is all holes.
+    m = pack_request(
+        live_idx=np.arange(3),
+        live_slots=np.array([4, 5, 9]),
+        src_block_ids=np.array([1, 2]),
+        dst_block_ids=np.array([11]),
+        block_size=B,
+    )
+    assert m.dst_slots.tolist() == [44, 45, 46]
 
 
 def test_pack_request_rejects_what_cannot_work():
     kw = dict(live_idx=np.arange(5), live_slots=np.arange(5), block_size=B)
+    # 5 live tokens in blocks 0-1; block 5 has 4 free slots.
     with pytest.raises(ValueError, match="do not fit"):
         pack_request(src_block_ids=np.array([0, 1]), dst_block_ids=np.array([5]), **kw)
     with pytest.raises(ValueError, match="also a source"):
@@ -238,23 +217,24 @@ def test_oracle_plan_pack_apply_equals_dense_gather_of_kept_tokens():
         block_live=pool.block_live[np.concatenate(elig)],
         block_size=B,
         threshold=0.9,
-        free_blocks=8,
-        margin=0,
     )
-    assert as_lists(p) == [(0, [7, 2, 5], 1)]  # b's only eligible block alone
+    # a: live 1 (block 2), 2 (block 5: tokens 4 and 7), 0 (block 7): 9 holes
+    # empty 2 blocks, 7 (no moves) and 2 (token 3 -> block 5's first hole,
+    # offset 1 = slot 21). b's only eligible block has 3 holes: nothing.
+    assert as_lists(p) == [(0, [7, 2], [5])]
     k, rid = 0, rids[p.req_index[0]]
     m = pack_request(
         live_idx=pool.live_idx(rid),
         live_slots=pool.live_slots(rid),
         src_block_ids=p.src_block_ids[p.src_indptr[k] : p.src_indptr[k + 1]],
-        dst_block_ids=np.array([12]),
+        dst_block_ids=p.dst_block_ids[p.dst_indptr[k] : p.dst_indptr[k + 1]],
         block_size=B,
     )
-    assert m.idx.tolist() == [3, 4, 7] and m.dst_slots.tolist() == [48, 49, 50]
+    assert m.idx.tolist() == [3] and m.dst_slots.tolist() == [21]
     kv[m.dst_slots] = kv[m.src_slots]
     pool.remap(rid, m.idx, m.dst_slots)
-    kv[(np.array([7, 2, 5])[:, None] * B + np.arange(B)).ravel()] = np.nan  # freed
+    kv[(np.array([7, 2])[:, None] * B + np.arange(B)).ravel()] = np.nan  # freed
     for r in held:
         np.testing.assert_array_equal(kv[pool.live_slots(r)], dense[r])
-    assert pool.block_live[[2, 5, 7, 12]].tolist() == [0, 0, 0, 3]
+    assert pool.block_live[[2, 5, 7]].tolist() == [0, 3, 0]
     pool.check_integrity()

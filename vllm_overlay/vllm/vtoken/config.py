@@ -48,19 +48,15 @@ class VTokenConfig:
     kv_reclaim: ReclaimMode = "vtoken"
     """How evicted tokens turn into free memory. naive: a block returns to the
     pool only when every token in it is dead (the paper's Naive-Evict). vtoken:
-    also compact the live tokens of under-used blocks into fewer blocks and free
-    the emptied ones."""
+    also move the live tokens of under-used blocks into the request's dead slots
+    and free the emptied blocks (in place: compaction never takes a block from
+    the pool)."""
 
     kv_reclaim_threshold: float = Field(default=1.0, gt=0.0, le=1.0)
     """A full block whose live-token utilization is below this fraction is a
-    compaction source (vtoken mode). The planner only packs sources whose
-    packing frees blocks, so 1.0 (any block with a dead token) packs tightest;
-    lower values move fewer bytes."""
-
-    kv_reclaim_margin: int = Field(default=2, ge=0)
-    """Free blocks kept in reserve beyond the next step's growth: compaction
-    takes destination blocks only while this many stay free, so running
-    requests are not pushed into preemption."""
+    compaction source (vtoken mode). The planner empties as many blocks as the
+    request's dead slots can absorb, so 1.0 (any block with a dead token) packs
+    tightest; lower values move fewer bytes."""
 
     @property
     def enabled(self) -> bool:

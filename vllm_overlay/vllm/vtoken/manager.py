@@ -6,15 +6,19 @@ and turns them into block-pool operations, using vLLM's own precedent for freein
 a block in the middle of a request (sliding window's `remove_skipped_blocks`):
 
     req_to_blocks[rid]  = [b7, b3, b9, b4, b12]      positional: token i is in [i // B]
-    after compaction    = [b7, null, null, b4, b12]  b3, b9 emptied and freed
-    extra_blocks[rid]   = [b20]                      destinations: mixed logical
-                                                     positions, never hashed
+    after compaction    = [b7, null, null, b4, b12]  b3, b9 emptied and freed; their
+                                                     live tokens moved into holes
+                                                     of b7 and b4
+
+Compaction is in place (see planner.py): live tokens move into the request's own
+dead slots, so block tables stay positional and append-only for vLLM, and a
+plan never takes a block from the pool.
 
 Per step (all in the scheduler process, before the worker runs):
   begin_step   policies evict over budget; blocks left with no live token are
                freed at once (that alone is the paper's Naive-Evict);
   end_step     the step's new tokens get their slots; in vtoken mode the planner
-               packs the live tokens of under-used blocks into fresh blocks;
+               moves the live tokens of under-used blocks into holes;
   on_output    the worker acknowledged a move batch: tokens switch to their new
                slots and the emptied source blocks go back to the pool.
 """
@@ -22,7 +26,6 @@ Per step (all in the scheduler process, before the worker runs):
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import time
 from collections.abc import Iterable
@@ -32,7 +35,7 @@ import numpy as np
 
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import MoveBatch, VTokenStep, VTokenWorkerOutput
-from vllm.vtoken.planner import pack_request, plan_blocks
+from vllm.vtoken.planner import BlockPlan, pack_request, plan_blocks
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.stats import VTokenCounters, VTokenStats
 from vllm.vtoken.token_table import TokenTablePool
@@ -76,9 +79,9 @@ class VTokenScheduler:
             seed=cfg.seed,
             score_source=self._read_scores if policy.score_mode else None,
         )
-        self.extra_blocks: dict[str, list[KVCacheBlock]] = {}
-        # batch_id -> (move batch, {req_id: source blocks}); blocks of in-flight
-        # batches (sources and destinations) are never planned again until acked.
+        # batch_id -> (move batch, {req_id: source blocks}); a request with a
+        # batch in flight is not planned again, and the blocks of in-flight
+        # batches (sources and destinations) are not freed, until it is acked.
         self._inflight: dict[int, tuple[MoveBatch, dict[str, list[KVCacheBlock]]]] = {}
         self._busy: dict[int, int] = {}  # block_id -> batch_id
         self._next_batch_id = 0
@@ -95,7 +98,6 @@ class VTokenScheduler:
         self._last_counters = VTokenCounters()
         # For the gauges, kept as blocks change hands (not scanned per step):
         self._nulls: dict[str, int] = {}  # positional blocks freed, by request
-        self._extra_fill: dict[int, int] = {}  # destination block -> tokens written
 
     # ------------------------------------------------------------ step hooks
     def begin_step(self, running: Iterable[Request]) -> None:
@@ -230,16 +232,14 @@ class VTokenScheduler:
 
     def _held_blocks(self, rid: str, ids: set[int]) -> list[KVCacheBlock]:
         """The request's own (unshared) blocks among `ids`."""
-        found = [b for b in self.extra_blocks.get(rid, ()) if b.block_id in ids]
-        found += [
+        return [
             b
             for b in self._positional(rid)
             if b.block_id in ids and not b.is_null and b.ref_cnt == 1
         ]
-        return found
 
     def _release_blocks(self, rid: str, blocks: list[KVCacheBlock]) -> None:
-        """Null-replace or unlist `blocks` of `rid`, then free them."""
+        """Null-replace `blocks` of `rid` in its block table, then free them."""
         if not blocks:
             return
         ids = {b.block_id for b in blocks}
@@ -249,27 +249,24 @@ class VTokenScheduler:
             if b.block_id in ids and not b.is_null:
                 positional[i] = null
                 self._nulls[rid] = self._nulls.get(rid, 0) + 1
-        for b in ids:
-            self._extra_fill.pop(b, None)
-        extras = self.extra_blocks.get(rid)
-        if extras:
-            extras[:] = [b for b in extras if b.block_id not in ids]
         self.block_pool.free_blocks(blocks)
         self.counters.reclaimed_blocks += len(blocks)
 
     def _drop_blocks(self, rid: str) -> None:
-        """Free the extra blocks and forget in-flight moves of `rid`."""
-        for batch_id, (_, sources) in self._inflight.items():
+        """Forget the in-flight moves of `rid`; vLLM frees its blocks next.
+
+        The worker waits for a finished or preempted request's copies before
+        the step runs (VTokenWorker.begin_step), so the blocks may be reused.
+        """
+        for batch_id, (batch, sources) in self._inflight.items():
             blocks = sources.pop(rid, None)
-            if blocks:
-                self._unbusy(batch_id, [b.block_id for b in blocks])
-        self._nulls.pop(rid, None)  # vLLM frees the positional list next
-        extras = self.extra_blocks.pop(rid, None)
-        if extras:
-            for b in extras:
-                self._busy.pop(b.block_id, None)
-                self._extra_fill.pop(b.block_id, None)
-            self.block_pool.free_blocks(extras)
+            if blocks is None:
+                continue
+            self._unbusy(batch_id, [b.block_id for b in blocks])
+            for r, _, _, dst in batch.per_request():
+                if r == rid:
+                    self._unbusy(batch_id, np.unique(dst // self.block_size))
+        self._nulls.pop(rid, None)
 
     def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
         for b in block_ids:
@@ -277,65 +274,60 @@ class VTokenScheduler:
                 del self._busy[int(b)]
 
     def _plan(self, so: SchedulerOutput) -> MoveBatch | None:
-        """Greedy compaction of under-used blocks, within the free-block margin."""
+        """In-place compaction of under-used blocks (planner.py)."""
         B = self.block_size
+        busy_reqs = {rid for _, sources in self._inflight.values() for rid in sources}
         rids, indptr, cand = [], [0], []
         for rid, n in list(self._dead_since_plan.items()):
             req = self._requests.get(rid)
             if n < B or req is None or rid not in so.num_scheduled_tokens:
                 continue  # considered once it runs with a block's worth dead
+            if rid in busy_reqs:
+                # Its last batch is still copying (GPU side stream): its slots
+                # switch when that completes, so plan on the settled state.
+                self.counters.deferred_plans += 1
+                continue
             self._dead_since_plan[rid] = 0
             # Full blocks written before this step; the tail is being filled.
             nfull = req.num_computed_tokens // B
-            blocks = [
-                b
-                for b in itertools.chain(
-                    self._positional(rid)[:nfull], self.extra_blocks.get(rid, ())
-                )
-                if not b.is_null and b.ref_cnt == 1 and b.block_id not in self._busy
-            ]
+            cand.extend(
+                b.block_id
+                for b in self._positional(rid)[:nfull]
+                if not b.is_null and b.ref_cnt == 1
+            )
             rids.append(rid)
-            cand.extend(b.block_id for b in blocks)
             indptr.append(len(cand))
         if not cand:
             return None
         block_ids = np.asarray(cand, dtype=np.int32)
-        # Reserve the blocks running requests need for their next token.
-        growth = sum(
-            1
-            for rid, n in so.num_scheduled_tokens.items()
-            if (self._requests[rid].num_computed_tokens + n) % B == 0
-        )
         plan = plan_blocks(
             req_indptr=np.asarray(indptr, dtype=np.int64),
             block_ids=block_ids,
             block_live=self.pool.block_live[block_ids],
             block_size=B,
             threshold=self.cfg.kv_reclaim_threshold,
-            free_blocks=self.block_pool.get_num_free_blocks(),
-            margin=self.cfg.kv_reclaim_margin + growth,
         )
-        self.counters.deferred_plans += plan.num_deferred
         if len(plan.req_index) == 0:
             return None
         return self._bind(plan, rids)
 
-    def _bind(self, plan, rids: list[str]) -> MoveBatch | None:
-        """Take destination blocks and turn a block plan into slot moves."""
+    def _bind(self, plan: BlockPlan, rids: list[str]) -> MoveBatch | None:
+        """Turn a block plan into slot moves; free blocks that need none."""
         B = self.block_size
         by_id = self.block_pool.blocks
+        batch_id = self._next_batch_id
         out_rids, indptr, idx, src, dst = [], [0], [], [], []
         sources: dict[str, list[KVCacheBlock]] = {}
         for k, r in enumerate(plan.req_index):
             rid = rids[r]
             src_ids = plan.src_block_ids[plan.src_indptr[k] : plan.src_indptr[k + 1]]
-            dst_blocks = self.block_pool.get_new_blocks(int(plan.num_dst[k]))
-            self.extra_blocks.setdefault(rid, []).extend(dst_blocks)
             m = pack_request(
                 live_idx=self.pool.live_idx(rid),
                 live_slots=self.pool.live_slots(rid),
                 src_block_ids=src_ids,
-                dst_block_ids=np.asarray([b.block_id for b in dst_blocks], np.int64),
+                dst_block_ids=plan.dst_block_ids[
+                    plan.dst_indptr[k] : plan.dst_indptr[k + 1]
+                ],
                 block_size=B,
             )
             src_blocks = [by_id[int(b)] for b in src_ids]
@@ -343,12 +335,12 @@ class VTokenScheduler:
                 self._release_blocks(rid, src_blocks)
                 continue
             sources[rid] = src_blocks
-            fill = np.minimum(m.idx.size - B * np.arange(len(dst_blocks)), B)
-            for blk, n in zip(dst_blocks, fill.tolist(), strict=True):
-                self._extra_fill[blk.block_id] = n
-            batch_id = self._next_batch_id
+            dst_ids = np.unique(m.dst_slots // B).tolist()
+            # A destination's content changes: it must leave the prefix cache
+            # (sources keep theirs intact, so a later hit on them stays valid).
+            self.block_pool.evict_blocks(set(dst_ids))
             self._busy.update((int(b), batch_id) for b in src_ids)
-            self._busy.update((b.block_id, batch_id) for b in dst_blocks)
+            self._busy.update((b, batch_id) for b in dst_ids)
             out_rids.append(rid)
             idx.append(m.idx)
             src.append(m.src_slots)
@@ -357,14 +349,14 @@ class VTokenScheduler:
         if not out_rids:
             return None
         batch = MoveBatch(
-            batch_id=self._next_batch_id,
+            batch_id=batch_id,
             req_ids=out_rids,
             indptr=np.asarray(indptr, dtype=np.int64),
             idx=np.concatenate(idx),
             src_slots=np.concatenate(src),
             dst_slots=np.concatenate(dst),
         )
-        self._inflight[batch.batch_id] = (batch, sources)
+        self._inflight[batch_id] = (batch, sources)
         self._next_batch_id += 1
         return batch
 
@@ -379,10 +371,10 @@ class VTokenScheduler:
             if not positional or rid not in self.pool:
                 continue
             nulls = self._nulls.get(rid, 0)
-            extras = self.extra_blocks.get(rid, ())
-            held += len(positional) - nulls + len(extras)
+            held += len(positional) - nulls
+            # Compaction moves tokens into written slots only (holes), so the
+            # written slots are the positional ones minus the freed blocks.
             written += min(req.num_computed_tokens, len(positional) * B) - nulls * B
-            written += sum(self._extra_fill.get(b.block_id, 0) for b in extras)
             live += self.pool.num_live(rid)
         delta = self.counters.minus(self._last_counters)
         self._last_counters = self.counters.copy()
@@ -408,7 +400,6 @@ class VTokenScheduler:
         holders = np.zeros_like(ref)
         for rid, blocks in self._type_mgr.req_to_blocks.items():
             ids = [b.block_id for b in blocks if not b.is_null]
-            ids += [b.block_id for b in self.extra_blocks.get(rid, ())]
             np.add.at(holders, np.asarray(ids, dtype=np.int64), 1)
             if rid in self.pool:
                 held = np.zeros(len(ref), dtype=bool)
@@ -417,8 +408,6 @@ class VTokenScheduler:
                 assert held[live_blocks].all(), (
                     f"request {rid}: a live token sits in a block it does not hold"
                 )
-        for rid in self.extra_blocks:
-            assert rid in self._type_mgr.req_to_blocks, f"{rid}: extra blocks leaked"
         holders[0] = ref[0]  # the null block's ref_cnt is not maintained
         assert (holders == ref).all(), (
             "block ref counts differ from the holders: "

@@ -4,15 +4,24 @@
 Scheduler side; pure functions, no state, no Python loop over blocks or tokens
 (the paper names planner CPU time as vToken's dominant cost). Two stages:
 
-1. `plan_blocks` (all requests at once): pick low-utilization source blocks per
-   request by greedy packing, then admit plans within the free-block margin.
-2. `pack_request` (per planned request): move the request's live tokens out of its
-   source blocks, in logical order, densely into fresh destination blocks.
+1. `plan_blocks` (all requests at once): per request, the sparsest blocks whose
+   live tokens fit into the holes of the request's other blocks.
+2. `pack_request` (per planned request): move those live tokens, in logical
+   order, into the holes, densest destination block first.
 
-Example, block_size 4, one request, sources [7, 3] (live 1 and 2 tokens)::
+Compaction is in place: a request's dead slots are its destinations, so a plan
+never takes a block from the pool and can never push another request into
+preemption. Holes are where evicted tokens were (or the never-written end of a
+block an earlier plan filled); the tail block being written, blocks shared with
+the prefix cache and blocks with a copy in flight are never sources or
+destinations. Example, block_size 4, one request, one block's worth of holes::
 
-    before  block 7: [ a  x  x  x ]   block 3: [ x  b  c  x ]
-    after   block 9: [ a  b  c  . ]   blocks 7 and 3 freed once the copy is acked
+    before  block 7: [ a  x  b  c ]   block 3: [ x  d  x  x ]   (x = dead)
+    after   block 7: [ a  d  b  c ]   block 3 freed once the copy is acked
+
+Emptying k blocks needs k * block_size holes among the request's blocks, so the
+plan frees floor(holes / block_size) blocks (capped by the candidates below the
+threshold): as many as any packing can, without a destination from the pool.
 """
 
 from __future__ import annotations
@@ -24,18 +33,19 @@ import numpy as np
 
 @dataclass(frozen=True, kw_only=True)
 class BlockPlan:
-    """Blocks to empty, per planned request (CSR over `req_index`)."""
+    """Per planned request (CSR over `req_index`): blocks to empty, and the
+    blocks whose holes receive their live tokens, in order of preference."""
 
     req_index: np.ndarray  # int64 [K]: indices into the input requests, ascending
     src_indptr: np.ndarray  # int64 [K + 1]: CSR into src_block_ids
     src_block_ids: np.ndarray  # int32 [S]: blocks to empty, freed once acked
-    num_dst: np.ndarray  # int64 [K]: destination blocks each request needs
-    num_deferred: int  # requests with a positive gain held back by the margin
+    dst_indptr: np.ndarray  # int64 [K + 1]: CSR into dst_block_ids
+    dst_block_ids: np.ndarray  # int32 [D]: blocks with holes, densest first
 
     @property
     def blocks_freed(self) -> int:
-        """Net blocks returned to the pool once every plan is acknowledged."""
-        return int(self.src_block_ids.size - self.num_dst.sum())
+        """Blocks returned to the pool once every plan is acknowledged."""
+        return int(self.src_block_ids.size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,18 +61,19 @@ def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
     return -(-a // b)
 
 
-def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """bool: which non-negative values are in sorted_set (np.isin is ~10 µs slower
-    per call on small arrays)."""
-    if sorted_set.size == 0:
-        return np.zeros(values.shape, dtype=bool)
-    top = int(sorted_set[-1])
-    if top < 4 * values.size:  # a lookup table is cheaper than binary search
-        table = np.zeros(top + 2, dtype=bool)
-        table[sorted_set] = True
+def _position(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """int64: the index in `keys` (distinct, non-negative) of each non-negative
+    value, or -1 where it is absent."""
+    if keys.size == 0:
+        return np.full(values.shape, -1, dtype=np.int64)
+    top = int(keys.max())
+    if top < 4 * (values.size + keys.size):  # a table beats binary search
+        table = np.full(top + 2, -1, dtype=np.int64)
+        table[keys] = np.arange(keys.size)
         return table[np.minimum(values, top + 1)]
-    at = np.minimum(np.searchsorted(sorted_set, values), sorted_set.size - 1)
-    return sorted_set[at] == values
+    order = np.argsort(keys)
+    at = order[np.minimum(np.searchsorted(keys[order], values), keys.size - 1)]
+    return np.where(keys[at] == values, at, -1)
 
 
 def _sort_by_req_then_live(
@@ -91,18 +102,16 @@ def plan_blocks(
     block_live: np.ndarray,
     block_size: int,
     threshold: float,
-    free_blocks: int,
-    margin: int,
 ) -> BlockPlan:
-    """Greedy, margin-aware choice of blocks to compact.
+    """Greedy in-place choice of blocks to compact.
 
-    Candidates are blocks with live / block_size < threshold. Per request, the
-    candidates sorted by live count (ascending; ties keep input order) are taken
-    as the prefix k maximizing gain = k - ceil(live in the prefix / block_size);
-    ties go to the smaller k and only gain > 0 plans. All-dead blocks need no
-    destination. If the plans need more destinations than free_blocks - margin,
-    requests are admitted by gain per destination block (then request order)
-    while the total fits; plans needing no destination are always admitted.
+    Per request, with H the holes (block_size - live) over its eligible blocks:
+    the sources are its k sparsest candidates (live / block_size < threshold;
+    ties keep input order), k = min(candidates, H // block_size); the k blocks'
+    live tokens then fit into the holes of the others. Requests with k = 0 get
+    no plan. The destinations are the request's other eligible blocks with a
+    hole, densest first (ties keep input order), as many as the moved tokens
+    need: holes gather in fewer blocks, so the next plan moves less.
 
     Args:
         req_indptr: int [R + 1] CSR over requests of their eligible blocks (the
@@ -112,23 +121,18 @@ def plan_blocks(
         block_live: int [N] live tokens of each entry of block_ids.
         block_size: Tokens per block (> 0).
         threshold: Utilization below which a block is a candidate, in (0, 1].
-        free_blocks: Free blocks in the pool (>= 0).
-        margin: Free blocks that must stay free (>= 0).
 
     Returns:
         The plan; requests without a plan are absent.
 
     Raises:
-        ValueError: Bad threshold, margin, free_blocks, block_size, CSR or
-            lengths; a live count outside [0, block_size]; a repeated source.
+        ValueError: Bad threshold, block_size, CSR or lengths; a live count
+            outside [0, block_size]; a repeated block.
     """
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-    if margin < 0 or free_blocks < 0 or block_size <= 0:
-        raise ValueError(
-            f"need margin >= 0 ({margin}), free_blocks >= 0 ({free_blocks}), "
-            f"block_size > 0 ({block_size})"
-        )
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
     indptr = np.asarray(req_indptr, dtype=np.int64)
     ids = np.asarray(block_ids)
     live = np.asarray(block_live, dtype=np.int64)
@@ -137,58 +141,60 @@ def plan_blocks(
     _check_csr(indptr, ids.size)
     if live.size and (live.min() < 0 or live.max() > block_size):
         raise ValueError(f"block_live outside [0, {block_size}]")
+    if ids.size and (np.bincount(ids.astype(np.int64)) > 1).any():
+        raise ValueError("block_ids repeat a block")
 
-    # Candidates, grouped by request and sorted by live count inside a group.
-    req = np.repeat(np.arange(indptr.size - 1, dtype=np.int64), np.diff(indptr))
+    num_req = indptr.size - 1
+    req = np.repeat(np.arange(num_req, dtype=np.int64), np.diff(indptr))
+    holes = np.bincount(req, weights=block_size - live, minlength=num_req)
+    k = (holes // block_size).astype(np.int64)
+    # Rank of each candidate inside its request, sparsest first.
     cand = np.flatnonzero(live / block_size < threshold)
     order = cand[_sort_by_req_then_live(req[cand], live[cand], block_size)]
-    if order.size == 0:
+    o_req = req[order]
+    first = np.searchsorted(o_req, np.arange(num_req))
+    rank = np.arange(order.size) - first[o_req]
+    is_src = np.zeros(ids.size, dtype=bool)
+    is_src[order[rank < k[o_req]]] = True
+    planned = np.bincount(req[is_src], minlength=num_req) > 0
+    if not planned.any():
         return _empty_plan()
-    c_req, c_live = req[order], live[order]
-    starts = np.flatnonzero(np.r_[True, c_req[1:] != c_req[:-1]])
-    sizes = np.diff(np.r_[starts, order.size])
-    pos = np.arange(order.size)
-    cum = np.cumsum(c_live)
-    cum_in = cum - np.repeat(cum[starts] - c_live[starts], sizes)  # within group
-    k = pos - np.repeat(starts, sizes) + 1
-    gain = k - _ceil_div(cum_in, block_size)
-    best_gain = np.maximum.reduceat(gain, starts)
-    is_best = gain == np.repeat(best_gain, sizes)
-    best_pos = np.minimum.reduceat(np.where(is_best, pos, order.size), starts)
-    best_k = k[best_pos]
-    need = _ceil_div(cum_in[best_pos], block_size)
-
-    # Margin-aware admission over the requests with something to gain.
-    planned = best_gain > 0
-    budget = max(free_blocks - margin, 0)
-    admit = planned.copy()
-    if need[planned].sum() > budget:
-        cand_g = np.flatnonzero(planned)
-        with np.errstate(divide="ignore"):
-            ratio = best_gain[cand_g] / need[cand_g]  # inf when no destination
-        rank = cand_g[np.lexsort((cand_g, -ratio))]
-        admit[:] = False
-        admit[rank[np.cumsum(need[rank]) <= budget]] = True
-    take_k = np.where(admit, best_k, 0)
-    src = ids[order][k <= np.repeat(take_k, sizes)].astype(np.int32)
-    if src.size and (np.bincount(src) > 1).any():
-        raise ValueError("block_ids repeat a block chosen as a source")
+    src = np.flatnonzero(is_src)
+    src = src[_sort_by_req_then_live(req[src], live[src], block_size)]
+    dst = np.flatnonzero(~is_src & planned[req] & (live < block_size))
+    dst = dst[_sort_by_req_then_live(req[dst], block_size - live[dst], block_size)]
+    # Only as many destinations as the moved tokens need, densest first.
+    need = np.bincount(req[src], weights=live[src], minlength=num_req)
+    d_req, d_holes = req[dst], block_size - live[dst]
+    d_first = np.searchsorted(d_req, np.arange(num_req))
+    before = np.cumsum(d_holes) - d_holes  # holes of earlier entries, all groups
+    if dst.size:
+        before -= before[np.minimum(d_first, dst.size - 1)][d_req]
+    dst = dst[before < need[d_req]]
+    req_index = np.flatnonzero(planned)
     return BlockPlan(
-        req_index=c_req[starts][admit],
-        src_indptr=np.r_[0, np.cumsum(take_k[admit])].astype(np.int64),
-        src_block_ids=src,
-        num_dst=need[admit].astype(np.int64),
-        num_deferred=int(planned.sum() - admit.sum()),
+        req_index=req_index,
+        src_indptr=_csr(req[src], req_index),
+        src_block_ids=ids[src].astype(np.int32),
+        dst_indptr=_csr(req[dst], req_index),
+        dst_block_ids=ids[dst].astype(np.int32),
     )
 
 
+def _csr(rows: np.ndarray, req_index: np.ndarray) -> np.ndarray:
+    """indptr over req_index of `rows` (request of each entry, sorted)."""
+    counts = np.bincount(rows, minlength=int(req_index[-1]) + 1)[req_index]
+    return np.r_[0, np.cumsum(counts)].astype(np.int64)
+
+
 def _empty_plan() -> BlockPlan:
+    none = np.zeros(0, np.int32)
     return BlockPlan(
         req_index=np.zeros(0, np.int64),
         src_indptr=np.zeros(1, np.int64),
-        src_block_ids=np.zeros(0, np.int32),
-        num_dst=np.zeros(0, np.int64),
-        num_deferred=0,
+        src_block_ids=none,
+        dst_indptr=np.zeros(1, np.int64),
+        dst_block_ids=none,
     )
 
 
@@ -200,16 +206,18 @@ def pack_request(
     dst_block_ids: np.ndarray,
     block_size: int,
 ) -> Moves:
-    """Packs a request's live tokens in source blocks densely into destinations.
+    """Moves a request's live tokens out of its source blocks into holes.
 
-    Tokens keep their logical order: the first goes to offset 0 of
-    dst_block_ids[0], the block_size-th to offset 0 of dst_block_ids[1], ...
+    The free slots of the destination blocks (those no live token of the
+    request holds: the blocks are the request's own) are taken block by block
+    in the given order, offsets ascending; tokens keep their logical order.
 
     Args:
         live_idx: int [n] logical indices of live tokens, ascending.
         live_slots: int [n] their slots.
         src_block_ids: int [S] blocks to empty.
-        dst_block_ids: int [D] fresh blocks, none of them a source.
+        dst_block_ids: int [D] blocks whose holes receive the tokens, none of
+            them a source.
         block_size: Tokens per block.
 
     Returns:
@@ -219,23 +227,32 @@ def pack_request(
         ValueError: If the tokens do not fit, inputs are misaligned or a
             destination is also a source.
     """
+    B = block_size
     idx = np.asarray(live_idx, dtype=np.int64)
     slots = np.asarray(live_slots, dtype=np.int64)
-    src_b = np.sort(np.asarray(src_block_ids, dtype=np.int64))
+    src_b = np.asarray(src_block_ids, dtype=np.int64)
     dst_b = np.asarray(dst_block_ids, dtype=np.int64)
     if idx.shape != slots.shape or idx.ndim != 1:
         raise ValueError(f"live_idx {idx.shape} and live_slots {slots.shape} differ")
-    if _member(dst_b, src_b).any():
+    if (_position(dst_b, src_b) >= 0).any():
         raise ValueError("a destination block is also a source block")
-    sel = _member(slots // block_size, src_b)
+    block, offset = slots // B, slots % B
+    sel = _position(block, src_b) >= 0
     m = int(np.count_nonzero(sel))
-    if m > dst_b.size * block_size:
+    # Occupancy of the destination blocks, one row per block in the given order.
+    row = _position(block, dst_b)
+    in_dst = row >= 0
+    occupied = np.zeros((dst_b.size, B), dtype=bool)
+    occupied[row[in_dst], offset[in_dst]] = True
+    free = np.flatnonzero(~occupied.ravel())
+    if m > free.size:
         raise ValueError(
-            f"{m} live tokens do not fit in {dst_b.size} destination blocks"
+            f"{m} live tokens do not fit in the {free.size} free slots of "
+            f"{dst_b.size} destination blocks"
         )
-    off = np.arange(m, dtype=np.int64)
+    free = free[:m]
     return Moves(
         idx=idx[sel],
         src_slots=slots[sel],
-        dst_slots=dst_b[off // block_size] * block_size + off % block_size,
+        dst_slots=dst_b[free // B] * B + free % B,
     )

@@ -17,7 +17,7 @@ class VTokenCounters:
     evicted_tokens: int = 0  # tokens marked dead by the policy
     reclaimed_blocks: int = 0  # blocks returned to the pool (dead or compacted)
     moved_tokens: int = 0  # tokens whose KV moved to a new slot (acknowledged)
-    deferred_plans: int = 0  # requests whose compaction the margin held back
+    deferred_plans: int = 0  # compactions held back by a copy still in flight
     copy_bytes: int = 0  # KV bytes written by acknowledged moves
     planner_ns: int = 0  # CPU time spent planning compaction
     plan_calls: int = 0  # steps that ran the planner
