@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU-sized benchmark suite on the real patched engine (SmolLM2-135M, block
-# size 16), then docs/RESULTS.md from its JSON. About 20 minutes on 2 cores.
+# size 16), then docs/RESULTS.md from its JSON. About 35 minutes on 2 cores.
 # Extra arguments go to every experiment (e.g. --model DIR --engine-json '{...}').
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
@@ -9,8 +9,9 @@ vtoken_runtime_env
 cd "$VTOKEN_REPO"
 bench() { echo "== $*" >&2; "$VTOKEN_PY" scripts/bench_vtoken.py "$@"; }
 bench memory --requests 8 --prompt-len 128 --gen-len 256 --budget 128 "$@"
-bench capacity --pools 64 128 --prompt-len 64 --gen-len 128 \
-  --concurrency 2 3 4 6 8 10 12 16 "$@"
-bench overhead --requests 8 --prompt-len 128 --gen-len 128 --repeats 5 "$@"
+bench capacity --pools 64 128 --prompt-len 64 --gen-len 128 "$@"
+bench capacity --name capacity-long --pools 256 512 --prompt-len 384 --gen-len 128 "$@"
+bench overhead --requests 8 --prompt-len 128 --gen-len 128 --repeats 7 "$@"
 bench sla --pool 96 --budget 128 --gen-len 128 --num-prompts 24 --rates 0.5 1 2 "$@"
+"$VTOKEN_PY" scripts/bench_planner.py
 "$VTOKEN_PY" scripts/bench_report.py

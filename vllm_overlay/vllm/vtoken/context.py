@@ -33,7 +33,8 @@ class TokenRead:
     kv_slots: torch.Tensor  # int64 [total live], on the KV cache's device
     scores: ScoreAccumulator | None  # accumulate attention mass (H2O, ...)
     block_size: int
-    # GPU: token table built by the first layer, reused by the others.
+    # Index tensors built by the first layer, reused by the others.
+    _cpu: dict = field(default_factory=dict, compare=False, repr=False)
     _gpu: dict = field(default_factory=dict, compare=False, repr=False)
 
     def cpu_forward(
@@ -58,6 +59,7 @@ class TokenRead:
             kv_slots=self.kv_slots,
             scale=scale,
             scores=self.scores,
+            plan_cache=self._cpu,
         )
 
     def triton_forward(

@@ -12,15 +12,17 @@ written to their slots), and attention runs over exactly those keys.
 The causal mask is bottom-right in live-index space: query i of Lq sees keys
 `[0, Lk - Lq + i]`. RoPE positions stay logical; only the read changes.
 
-- CPU (CPU_ATTN, ISA vec/vec16): one gather of all requests' K/V per layer
-  call; decode requests (one query each) then run as one padded batch, the
-  others with SDPA per request, or explicit softmax when scores are wanted.
+- CPU (CPU_ATTN, ISA vec/vec16): decode requests (one query each) run as one
+  padded batch, K/V gathered straight into the matmul layout; the others
+  (prefills) with SDPA per request, or explicit softmax when scores are
+  wanted. The index tensors are built once per step (`CpuReadPlan`).
 - GPU (TRITON_ATTN): vLLM's `unified_attention` over one-token pages with a
   row-id token table; no kernel change.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,6 +56,78 @@ def _causal_mask(num_q: int, num_k: int) -> torch.Tensor | None:
     return torch.ones(num_q, num_k, dtype=torch.bool).tril(num_k - num_q)
 
 
+@dataclass(frozen=True)
+class CpuReadPlan:
+    """Index tensors of one step's CPU read, built once and shared by every layer.
+
+    Decode requests (one query each) form a padded batch: `blk`/`off` `[R, W]`
+    address each request's live keys (padding repeats a valid slot and is
+    masked by `valid`). Requests with several queries (prefills) read
+    `other_slots`, request `others[i]`'s keys being entries
+    `[other_loc[i], other_loc[i + 1])`. `score_slots` lists every key read, in
+    the order the attention masses are concatenated.
+    """
+
+    q_loc: list[int]
+    kv_loc: list[int]
+    decode: list[int]
+    q_rows: torch.Tensor  # [R] int64: query row of each decode request
+    blk: torch.Tensor  # [R, W] int64
+    off: torch.Tensor  # [R, W] int64
+    valid: torch.Tensor  # [R, W] bool
+    others: list[int]
+    other_slots: torch.Tensor  # [S'] int64
+    other_loc: list[int]
+    score_slots: torch.Tensor  # [S''] int64
+
+
+def build_cpu_read_plan(
+    query_start_loc: np.ndarray,
+    kv_indptr: np.ndarray,
+    kv_slots: torch.Tensor,
+    block_size: int,
+) -> CpuReadPlan:
+    """The per-step part of `cpu_token_attention` (see its arguments).
+
+    Raises:
+        ValueError: the index arrays disagree, or a request has fewer live
+            slots than query tokens.
+    """
+    q_loc = np.asarray(query_start_loc, dtype=np.int64)
+    kv_loc = np.asarray(kv_indptr, dtype=np.int64)
+    if q_loc.shape != kv_loc.shape or kv_loc[-1] != kv_slots.numel():
+        raise ValueError("query_start_loc, kv_indptr and kv_slots disagree")
+    num_q, num_k = np.diff(q_loc), np.diff(kv_loc)
+    short = np.flatnonzero(num_k < num_q)
+    if short.size:
+        r = int(short[0])
+        raise ValueError(f"request {r}: {num_k[r]} live slots < {num_q[r]} queries")
+    decode, others = np.flatnonzero(num_q == 1), np.flatnonzero(num_q > 1)
+    lens = num_k[decode]
+    pos = np.arange(int(lens.max()) if lens.size else 0)
+    valid = pos[None, :] < lens[:, None]
+    idx = torch.from_numpy(np.where(valid, kv_loc[decode][:, None] + pos, 0))
+    padded = kv_slots[idx]
+    valid_t = torch.from_numpy(valid)
+    sel = np.concatenate(
+        [np.arange(kv_loc[r], kv_loc[r + 1]) for r in others] + [np.zeros(0, np.int64)]
+    )
+    other_slots = kv_slots[torch.from_numpy(sel)]
+    return CpuReadPlan(
+        q_loc=q_loc.tolist(),
+        kv_loc=kv_loc.tolist(),
+        decode=decode.tolist(),
+        q_rows=torch.from_numpy(q_loc[decode]),
+        blk=padded // block_size,
+        off=padded % block_size,
+        valid=valid_t,
+        others=others.tolist(),
+        other_slots=other_slots,
+        other_loc=np.r_[0, np.cumsum(num_k[others])].tolist(),
+        score_slots=torch.cat([padded[valid_t], other_slots]),
+    )
+
+
 def cpu_token_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -65,6 +139,7 @@ def cpu_token_attention(
     kv_slots: torch.Tensor,
     scale: float,
     scores: Any = None,
+    plan_cache: dict | None = None,
 ) -> None:
     """Causal attention of each request's queries over its live slots (CPU).
 
@@ -79,88 +154,78 @@ def cpu_token_attention(
         kv_slots: `[S]` int64, per request its live slots in logical order,
             its current query tokens last.
         scale: softmax scale.
-        scores: object with `.add(slots, attn_mass)`, or None. When given, the
-            probabilities are computed explicitly (fp32) and used for the output,
-            and `attn_mass[j]` (probabilities summed over query heads and query
+        scores: object with `.add(slots, attn_mass)`, or None. When given,
+            `attn_mass[j]` (probabilities summed over query heads and query
             rows) is added once for every slot read.
+        plan_cache: a dict kept for the step: the index tensors are built by
+            the first layer and reused by the others.
 
     Raises:
         ValueError: the index arrays disagree, or a request has fewer live
             slots than query tokens.
     """
-    q_loc = np.asarray(query_start_loc).tolist()
-    kv_loc = np.asarray(kv_indptr).tolist()
-    if len(q_loc) != len(kv_loc) or kv_loc[-1] != kv_slots.numel():
-        raise ValueError("query_start_loc, kv_indptr and kv_slots disagree")
+    plan = plan_cache.get("plan") if plan_cache is not None else None
+    if plan is None:
+        plan = build_cpu_read_plan(
+            query_start_loc, kv_indptr, kv_slots, key_cache.shape[2]
+        )
+        if plan_cache is not None:
+            plan_cache["plan"] = plan
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     out = output.view(output.shape[0], num_q_heads, head_dim)
-    key, value = gather_live_kv(key_cache, value_cache, kv_slots)
-    gqa = num_q_heads != key.shape[1]
-    mass_of: dict[int, torch.Tensor] = {}  # request -> attention mass per key
-    decode = [r for r in range(len(q_loc) - 1) if q_loc[r + 1] - q_loc[r] == 1]
-    if len(decode) > 1:
-        masses = _decode_batched(query, key, value, out, q_loc, kv_loc, decode, scale)
-        mass_of.update(zip(decode, masses, strict=True))
-    batched = set(decode) if len(decode) > 1 else set()
-    for r in range(len(q_loc) - 1):
-        q0, q1, k0, k1 = q_loc[r], q_loc[r + 1], kv_loc[r], kv_loc[r + 1]
-        if q1 == q0 or r in batched:
-            continue
-        if k1 - k0 < q1 - q0:
-            raise ValueError(f"request {r}: {k1 - k0} live slots < {q1 - q0} queries")
-        q = query[q0:q1].transpose(0, 1)  # [Hq, Lq, D]
-        k = key[k0:k1].transpose(0, 1)  # [H, Lk, D]
-        v = value[k0:k1].transpose(0, 1)
-        mask = _causal_mask(q1 - q0, k1 - k0)
-        if scores is None:
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
-        else:
-            probs = _probs(q, k, mask, scale)  # [Hq, Lq, Lk] fp32
-            o = probs @ _repeat_kv(v, num_q_heads).float()
-            mass_of[r] = probs.sum(dim=(0, 1))
-        out[q0:q1] = o.transpose(0, 1)
-    if scores is not None and mass_of:
-        order = sorted(mass_of)
-        scores.add(
-            torch.cat([kv_slots[kv_loc[r] : kv_loc[r + 1]] for r in order]),
-            torch.cat([mass_of[r] for r in order]),
-        )
+    masses = []
+    if plan.decode:
+        mass = _decode_batched(query, key_cache, value_cache, out, plan, scale)
+        masses.append(mass[plan.valid])
+    if plan.others:
+        key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
+        gqa = num_q_heads != key.shape[1]
+        for i, r in enumerate(plan.others):
+            q0, q1 = plan.q_loc[r], plan.q_loc[r + 1]
+            k0, k1 = plan.other_loc[i], plan.other_loc[i + 1]
+            q = query[q0:q1].transpose(0, 1)  # [Hq, Lq, D]
+            k = key[k0:k1].transpose(0, 1)  # [H, Lk, D]
+            v = value[k0:k1].transpose(0, 1)
+            mask = _causal_mask(q1 - q0, k1 - k0)
+            if scores is None:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+                )
+            else:
+                probs = _probs(q, k, mask, scale)  # [Hq, Lq, Lk] fp32
+                o = probs @ _repeat_kv(v, num_q_heads).float()
+                masses.append(probs.sum(dim=(0, 1)))
+            out[q0:q1] = o.transpose(0, 1)
+    if scores is not None and masses:
+        scores.add(plan.score_slots, torch.cat(masses))
 
 
 def _decode_batched(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     out: torch.Tensor,
-    q_loc: list[int],
-    kv_loc: list[int],
-    rows: list[int],
+    plan: CpuReadPlan,
     scale: float,
-) -> list[torch.Tensor]:
+) -> torch.Tensor:
     # Requests with one query each, in one padded batch: a handful of ops per
     # layer instead of several per request, which dominate CPU decode steps.
-    # Returns each request's attention mass per live key.
-    starts = torch.tensor([kv_loc[r] for r in rows])
-    lens = torch.tensor([kv_loc[r + 1] - kv_loc[r] for r in rows])
-    if (lens < 1).any():
-        raise ValueError("a decode request has no live slot")
-    pos = torch.arange(int(lens.max()))
-    valid = pos[None, :] < lens[:, None]  # [R, W]
-    idx = torch.where(valid, starts[:, None] + pos[None, :], 0)
-    q_rows = [q_loc[r] for r in rows]
-    num_reqs, num_q_heads, head_dim = len(rows), query.shape[1], query.shape[2]
-    heads = key.shape[1]
+    # K and V are gathered straight from the cache into the [R, H, W, D] layout
+    # the matmuls want (one copy each). Returns the attention mass [R, W].
+    num_blocks, heads, block, head_dim = key_cache.shape
+    num_reqs, num_q_heads = len(plan.decode), query.shape[1]
+    h = torch.arange(heads)[None, :, None]
+    blk, off = plan.blk[:, None, :], plan.off[:, None, :]
+    k = key_cache.view(num_blocks, heads, head_dim, block)[blk, h, :, off]
+    v = value_cache[blk, h, off]
     # GQA: query head h * G + g reads KV head h, as _repeat_kv does.
-    q = query[q_rows].float().view(num_reqs, heads, num_q_heads // heads, head_dim)
-    logits = torch.einsum("rhgd,rwhd->rhgw", q, key[idx].float()) * scale
-    logits.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    q = query[plan.q_rows].float().view(num_reqs, heads, -1, head_dim)
+    logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [R, H, G, W]
+    logits.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
     probs = logits.softmax(dim=-1)
-    o = torch.einsum("rhgw,rwhd->rhgd", probs, value[idx].float())
-    out[q_rows] = o.reshape(num_reqs, num_q_heads, head_dim).to(out.dtype)
-    mass = probs.sum(dim=(1, 2))  # [R, W]
-    return [mass[i, : int(n)] for i, n in enumerate(lens)]
+    o = torch.matmul(probs, v.float())  # [R, H, G, D]
+    out[plan.q_rows] = o.reshape(num_reqs, num_q_heads, head_dim).to(out.dtype)
+    return probs.sum(dim=(1, 2))
 
 
 def _repeat_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
