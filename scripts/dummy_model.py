@@ -36,17 +36,22 @@ _COMMON = {
     "vocab_size": VOCAB,
 }
 
+# Llama-3.1-8B and Mistral-7B share their transformer shape (GQA 32/8, 128-d).
+_SHAPE_7B_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+
 ARCHS = {
     # meta-llama/Llama-3.1-8B-Instruct
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
+        **_SHAPE_7B_8B,
         "max_position_embeddings": 131072,
         "rope_theta": 500000.0,
         "rope_scaling": {
@@ -61,12 +66,7 @@ ARCHS = {
     "mistral-7b": {
         "architectures": ["MistralForCausalLM"],
         "model_type": "mistral",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
+        **_SHAPE_7B_8B,
         "max_position_embeddings": 32768,
         "rope_theta": 1000000.0,
         "sliding_window": None,
