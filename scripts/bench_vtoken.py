@@ -24,6 +24,7 @@ model. Run it through the project's environment (bench_all.sh does).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -563,7 +564,9 @@ def main() -> None:
     data["name"] = name
     (args.out_dir / f"{name}.json").write_text(json.dumps(data, indent=1))
     plot = globals().get(f"plot_{args.experiment}")
-    if plot:
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        print(f"no plot for {name}: matplotlib is not installed", file=sys.stderr)
+    elif plot:
         plot(data, args.out_dir / f"{name}.png")
 
 
