@@ -58,8 +58,8 @@ def memory_section(d: dict, img: str) -> list[str]:
         "",
         "| policy | mode | token utilization | perfect packing | retained blocks "
         "| non-live share of held slots | evicted | moved | planner µs/call "
-        "| copy KiB/step | step ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| planner % of time | copy KiB/step | step ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key, f in r.items():
         policy, mode = key.split("/")
@@ -68,7 +68,9 @@ def memory_section(d: dict, img: str) -> list[str]:
             f"| {f['utilization']:.3f} | {f['perfect_packing']:.3f} "
             f"| {f['retained_blocks']:.1f} | {f['non_live_share']:.3f} "
             f"| {f['evicted_tokens']} | {f['moved_tokens']} "
-            f"| {f['planner_us_per_call']:.0f} | {f['copy_bytes_per_step'] / 1024:.0f} "
+            f"| {f['planner_us_per_call']:.0f} "
+            f"| {100 * f.get('planner_share', float('nan')):.2f} "
+            f"| {f['copy_bytes_per_step'] / 1024:.0f} "
             f"| {f['step_ms']:.0f} |"
         )
     gains = [
@@ -109,7 +111,7 @@ def capacity_section(d: dict, img: str) -> list[str]:
     r = d["results"]
     per = d.get("blocks_per_request", {})
     out = [
-        "## Capacity frontier",
+        f"## Capacity frontier: {d['prompt_len']} + {d['gen_len']} tokens per request",
         "",
         f"`{d['command']}` ({d['date']}, {d['seconds'] / 60:.1f} min). N "
         f"identical-length requests ({d['prompt_len']} prompt + {d['gen_len']} "
@@ -119,7 +121,9 @@ def capacity_section(d: dict, img: str) -> list[str]:
         f"native ceil((prompt + generated - 1) / 16) = {per.get('native', '?')}; "
         f"vtoken ceil((budget + 1) / 16) + 1 = {per.get('vtoken', '?')} (budget + 1 "
         "live tokens at the forward, densely packed, plus the tail block); one "
-        "block of the pool is vLLM's null block.",
+        "block of the pool is vLLM's null block. The theory puts every request at "
+        "its peak at once; requests that start a step or two apart peak apart, so "
+        "a mode can sustain one more.",
         "",
         "| pool (blocks) | native | naive-evict | vtoken | vtoken / native "
         "| theory: native, vtoken | vtoken / theory "
@@ -248,7 +252,7 @@ SECTIONS = [
 def sections(folder: pathlib.Path, img: str, level: str = "##") -> list[str]:
     lines = []
     for pattern, section in SECTIONS:
-        files = sorted(folder.glob(f"{pattern}.json"))
+        files = sorted(folder.glob(f"{pattern}.json"), key=lambda f: f.stem)
         for f in files:
             part = section(json.loads(f.read_text()), img)
             lines += [level + x[2:] if x.startswith("## ") else x for x in part]

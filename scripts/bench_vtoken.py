@@ -163,6 +163,7 @@ def cmd_memory(args) -> dict:
                     if c.get("plan_calls")
                     else 0
                 ),
+                planner_share=c.get("planner_ns", 0) / (1e9 * run["generate_s"]),
                 step_ms=1e3 * run["generate_s"] / steps,
                 generate_s=run["generate_s"],
             )
