@@ -77,7 +77,8 @@ if [ "$smoke" = 1 ]; then
   sla=(--pool 64 --budget 48 --prompt-len 64 --gen-len 16 --num-prompts 4 --rates 4)
   ovh=(--requests 4 --prompt-len 64 --gen-len 16 --repeats 1)
 else
-  eng='{"load_format": "dummy", "max_model_len": 2048, "gpu_memory_utilization": 0.85}'
+  # Eager: a CUDA-graph capture per engine start would not fit the 8 minutes.
+  eng='{"load_format": "dummy", "max_model_len": 2048, "gpu_memory_utilization": 0.85, "enforce_eager": true}'
   mem=(--requests 64 --prompt-len 512 --gen-len 512 --budget 512)
   cap=(--pools 1024 --prompt-len 768 --gen-len 256)
   sla=(--pool 2048 --budget 512 --prompt-len 512 --gen-len 256 --num-prompts 96 --rates 8 16)
