@@ -4,11 +4,12 @@
 
 Synthetic state: `blocks` live blocks of block_size 16 spread evenly over
 `reqs` requests, each block holding a uniform random number of live tokens at
-random offsets. One step plans every request (tail blocks excluded, enough free
-blocks so that every plan is admitted: the worst case) and packs each planned
-request into fresh destination blocks (with under two blocks per request only
-tail blocks exist and nothing is planned). Reports the median over repeats as a
-markdown table (µs per step, µs per 1,000 blocks) and writes JSON.
+random offsets. One step plans every request at once (tail blocks excluded: the
+worst case, where the engine plans a request once per 16 of its evictions) and
+packs each planned request's sources into its own holes (with under two blocks
+per request only tail blocks exist and nothing is planned). Reports the median
+over repeats as a markdown table (µs per step, µs per 1,000 blocks) and writes
+JSON.
 
     python scripts/bench_planner.py [--out docs/bench/planner.json]
 """
