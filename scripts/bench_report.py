@@ -153,8 +153,9 @@ def overhead_section(d: dict, img: str) -> list[str]:
         "## Overhead with the feature off",
         "",
         f"`{d['command']}` ({d['date']}). Stock vLLM (the pristine 0.18.0 tree) and "
-        "the patched engine with policy `none`, alternated in one run, same "
-        "workload; ratios are patched / stock per pair.",
+        "the patched engine with policy `none`, in one run, in ABBA order (stock "
+        "first in odd pairs, patched first in even ones), same workload; ratios "
+        "are patched / stock per pair.",
         "",
         "| measure | median ratio | all pairs | target |",
         "|---|---:|---|---|",
@@ -181,6 +182,16 @@ def calls_row(d: dict) -> list[str]:
         f"{d['python_calls_ratio']:.4f} | stock {c['stock']['per_step']:,.0f}, "
         f"patched {c['patched']['per_step']:,.0f} over {c['stock']['steps']} and "
         f"{c['patched']['steps']} steps | < 1.01 |",
+        *(
+            [
+                f"| C calls (torch, NumPy, builtins) per engine step | "
+                f"{c['patched']['c_per_step'] / c['stock']['c_per_step']:.4f} | "
+                f"stock {c['stock']['c_per_step']:,.0f}, patched "
+                f"{c['patched']['c_per_step']:,.0f} | < 1.01 |"
+            ]
+            if "c_per_step" in c["stock"]
+            else []
+        ),
         f"| added calls x cost per call / median step (bound on the hooks' cost) "
         f"| {1 + d['hook_bound_fraction']:.5f} | {d['extra_calls_per_step']:.0f} "
         f"calls per step x {d['call_ns']:.0f} ns | < 1.01 |",

@@ -465,8 +465,9 @@ def cmd_overhead(args) -> dict:
         "max_tokens": args.gen_len,
     }
     rows = {"stock": [], "patched": []}
-    for _ in range(args.repeats):
-        for name in ("stock", "patched"):  # alternate, so drift hits both
+    for i in range(args.repeats):
+        # ABBA order: a drift that slows every later run cancels out in pairs.
+        for name in ("stock", "patched")[:: 1 if i % 2 == 0 else -1]:
             run = run_driver(spec, pristine=(name == "stock"))
             lat = sorted(run["finish_t"].values())
             t = [s["t"] for s in run["steps"]]
@@ -480,15 +481,17 @@ def cmd_overhead(args) -> dict:
                 }
             )
             print(f"overhead {name:7s} {rows[name][-1]}", flush=True)
-    # Interpreted work, deterministically: Python calls per engine step. Noise
-    # does not touch it, and the added hooks are Python, so it bounds them.
+    # The work, deterministically: Python and C calls per engine step. Noise
+    # does not touch it; equal C calls mean no added tensor or NumPy op.
     calls = {}
     for name in ("stock", "patched"):
         run = run_driver({**spec, "count_calls": True}, pristine=(name == "stock"))
         calls[name] = {
             "python_calls": run["python_calls"],
+            "c_calls": run["c_calls"],
             "steps": len(run["steps"]),
             "per_step": run["python_calls"] / len(run["steps"]),
+            "c_per_step": run["c_calls"] / len(run["steps"]),
         }
         print(f"overhead {name:7s} {calls[name]}", flush=True)
     # What an added call costs: the one the hot path makes per attention layer

@@ -24,8 +24,8 @@ runner. SPEC keys:
     aborts      optional {request index: step} to abort mid-generation
   histogram   record, every step, how many held blocks have 0..B live tokens
   stop_on_preemption   skip the remaining waves once one saw a preemption
-  count_calls  count the Python function calls each engine step makes (a
-              deterministic measure of interpreted work; slows the run down)
+  count_calls  count the Python and the C function calls engine steps make (a
+              deterministic measure of the work; slows the run down)
   search      {"lo": a, "hi": b, "wave": W}: instead of waves, bisect for the
               largest N in [a, b] such that N requests of workload W (its
               prompt source's "n" is set to N) all run at once with no
@@ -109,15 +109,18 @@ def block_state(sched, block_size: int, histogram: bool) -> dict:
 
 
 class CallCounter:
-    """Counts Python function calls on this thread (where the in-process engine
-    core, scheduler and CPU worker all run) while active."""
+    """Counts Python and C function calls on this thread (where the in-process
+    engine core, scheduler and CPU worker all run) while active."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.c_calls = 0
 
     def _hook(self, frame, event, arg) -> None:
         if event == "call":
             self.calls += 1
+        elif event == "c_call":
+            self.c_calls += 1
 
     def __enter__(self) -> CallCounter:
         sys.setprofile(self._hook)
@@ -280,6 +283,7 @@ def main() -> None:
         )
         if counter is not None:
             results[-1]["python_calls"] = counter.calls
+            results[-1]["c_calls"] = counter.c_calls
         if spec.get("stop_on_preemption") and results[-1]["preemptions"]:
             break
     vt = getattr(sched, "vtoken", None)
