@@ -59,7 +59,10 @@ fi
 stock=$VTOKEN_CACHE/stock-twin-$want
 if [ "$(cat "$stock/.vtoken-twin-of" 2>/dev/null)" != "$site $want" ]; then
   log "building the stock twin of $site in $stock"
-  rm -rf "$stock" && mkdir -p "$stock"
+  # One twin at a time: those of earlier series are stale (275 MB on CPU).
+  mkdir -p "$VTOKEN_CACHE"
+  find "$VTOKEN_CACHE" -maxdepth 1 -name 'stock-twin-*' -exec rm -rf {} +
+  mkdir -p "$stock"
   cp -a "$site/vllm" "$site/.vtoken" "$stock/"
   ./apply.sh --reverse "$stock" >&2
   echo "$site $want" > "$stock/.vtoken-twin-of"
