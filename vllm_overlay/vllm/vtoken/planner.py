@@ -57,8 +57,16 @@ class Moves:
     dst_slots: np.ndarray  # int64 [M]
 
 
-def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
-    return -(-a // b)
+def _cumsum_before_in_group(
+    rows: np.ndarray, values: np.ndarray, num_groups: int
+) -> np.ndarray:
+    """For entries grouped by `rows` (non-decreasing): the sum of `values` of
+    the earlier entries of the same group (an exclusive cumsum per group)."""
+    before = np.cumsum(values) - values
+    if rows.size:
+        first = np.minimum(np.searchsorted(rows, np.arange(num_groups)), rows.size - 1)
+        before -= before[first][rows]
+    return before
 
 
 def _position(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -152,8 +160,7 @@ def plan_blocks(
     cand = np.flatnonzero(live / block_size < threshold)
     order = cand[_sort_by_req_then_live(req[cand], live[cand], block_size)]
     o_req = req[order]
-    first = np.searchsorted(o_req, np.arange(num_req))
-    rank = np.arange(order.size) - first[o_req]
+    rank = _cumsum_before_in_group(o_req, np.ones_like(o_req), num_req)
     is_src = np.zeros(ids.size, dtype=bool)
     is_src[order[rank < k[o_req]]] = True
     planned = np.bincount(req[is_src], minlength=num_req) > 0
@@ -165,12 +172,8 @@ def plan_blocks(
     dst = dst[_sort_by_req_then_live(req[dst], block_size - live[dst], block_size)]
     # Only as many destinations as the moved tokens need, densest first.
     need = np.bincount(req[src], weights=live[src], minlength=num_req)
-    d_req, d_holes = req[dst], block_size - live[dst]
-    d_first = np.searchsorted(d_req, np.arange(num_req))
-    before = np.cumsum(d_holes) - d_holes  # holes of earlier entries, all groups
-    if dst.size:
-        before -= before[np.minimum(d_first, dst.size - 1)][d_req]
-    dst = dst[before < need[d_req]]
+    before = _cumsum_before_in_group(req[dst], block_size - live[dst], num_req)
+    dst = dst[before < need[req[dst]]]
     req_index = np.flatnonzero(planned)
     return BlockPlan(
         req_index=req_index,
