@@ -48,14 +48,8 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
 # --- the patched vLLM, and its stock twin ----------------------------------------
-site=$("$py" -c 'import importlib.util as u, os; print(os.path.dirname(list(u.find_spec("vllm").submodule_search_locations)[0]))')
-want=$(./apply.sh --print-hash)
-have=$(sed -n 's/^hash //p' "$site/.vtoken/manifest" 2>/dev/null || true)
-if [ "$have" != "$want" ]; then
-  log "applying the vToken series to $site"
-  [ -z "$have" ] || ./apply.sh --reverse "$site" >&2
-  ./apply.sh "$site" >&2
-fi
+vtoken_apply_series "$py"
+site=$VTOKEN_SITE want=$VTOKEN_SERIES
 stock=$VTOKEN_CACHE/stock-twin-$want
 if [ "$(cat "$stock/.vtoken-twin-of" 2>/dev/null)" != "$site $want" ]; then
   log "building the stock twin of $site in $stock"

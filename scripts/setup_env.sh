@@ -44,15 +44,7 @@ else
 fi
 
 # --- 3. patches + overlay -------------------------------------------------------
-site=$("$VTOKEN_PY" -c 'import importlib.util as u, os; print(os.path.dirname(list(u.find_spec("vllm").submodule_search_locations)[0]))')
-want=$(./apply.sh --print-hash)
-have=$(sed -n 's/^hash //p' "$site/.vtoken/manifest" 2>/dev/null || true)
-if [ "$have" != "$want" ]; then
-  [ -z "$have" ] || ./apply.sh --reverse "$site" >&2
-  ./apply.sh "$site" >&2
-else
-  log "patches up to date ($want) in $site"
-fi
+vtoken_apply_series "$VTOKEN_PY"
 
 # --- 4. pristine tree, model, data ----------------------------------------------
 if [ ! -f "$VTOKEN_PRISTINE/vllm/_version.py" ]; then

@@ -9,48 +9,38 @@ after every step of every end-to-end run, and a violation fails the run.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import installed_overlay_matches
 
 DRIVER = pathlib.Path(__file__).resolve().parents[2] / "scripts/engine_driver.py"
+_spec = importlib.util.spec_from_file_location("engine_driver", DRIVER)
+engine_driver = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(engine_driver)  # imports no vLLM: that is in main()
 _cache: dict[str, dict] = {}
 
 
-def run_engine(spec: dict, *, pristine: bool = False, tmp_dir: pathlib.Path) -> dict:
+def run_engine(spec: dict, *, pristine: bool = False) -> dict:
     """Run the driver for `spec` (stock vLLM when `pristine`) and load its JSON."""
     key = hashlib.sha256(
         json.dumps([spec, pristine], sort_keys=True).encode()
     ).hexdigest()[:16]
-    if key in _cache:
-        return _cache[key]
-    spec_file = tmp_dir / f"{key}.spec.json"
-    out_file = tmp_dir / f"{key}.out.json"
-    spec_file.write_text(json.dumps(spec))
-    env = dict(os.environ, VTOKEN_CHECK_INTEGRITY="1", PYTHONDONTWRITEBYTECODE="1")
-    if pristine:
-        env["PYTHONPATH"] = os.environ["VTOKEN_PRISTINE"]
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), str(spec_file), str(out_file)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        pytest.fail(
-            f"engine run failed ({'stock' if pristine else 'patched'}):\n"
-            + proc.stderr[-6000:]
-        )
-    result = json.loads(out_file.read_text())
-    _cache[key] = result
-    return result
+    if key not in _cache:
+        try:
+            _cache[key] = engine_driver.run_driver(
+                spec,
+                pristine=pristine,
+                env={"VTOKEN_CHECK_INTEGRITY": "1"},
+                timeout=900,
+            )
+        except RuntimeError as err:
+            pytest.fail(str(err))
+    return _cache[key]
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +59,6 @@ def engine_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def engine(engine_dir):
     def _run(spec: dict, pristine: bool = False) -> dict:
-        return run_engine(spec, pristine=pristine, tmp_dir=engine_dir)
+        return run_engine(spec, pristine=pristine)
 
     return _run
