@@ -130,13 +130,19 @@ def capacity_section(d: dict, img: str) -> list[str]:
         "| decode tok/s at max (native, naive, vtoken) |",
         "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+
+    def most(key: str) -> str:  # "+": the search's top sustained, more may
+        row = r[key]
+        return f"{row['max_concurrency']}{'+' if row.get('capped') else ''}"
+
     for pool in d["pools"]:
         n, v, t = (
             r[f"{pool}/{m}"]["max_concurrency"] for m in ("native", "vtoken", "theory")
         )
         nt = r.get(f"{pool}/native_theory", {}).get("max_concurrency", "?")
         out.append(
-            f"| {pool} | {n} | {r[f'{pool}/naive']['max_concurrency']} | {v} "
+            f"| {pool} | {most(f'{pool}/native')} | {most(f'{pool}/naive')} "
+            f"| {most(f'{pool}/vtoken')} "
             f"| {v / n if n else float('inf'):.2f}x | {nt}, {t} "
             f"| {v / t if t else 0:.2f} "
             f"| {r[f'{pool}/native']['decode_tok_s']:.1f}, "
