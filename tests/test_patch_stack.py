@@ -138,7 +138,7 @@ def test_apply_then_reverse_is_byte_identical(mini_tree):
     assert r.returncode == 0, r.stderr
     after = tree_digest(mini_tree)
     assert after != before
-    assert "vllm/vtoken/manager.py" in after
+    assert "vllm/vtoken/scheduler.py" in after
     assert any(k.startswith(".vtoken/") for k in after)
     r = run_apply("--reverse", mini_tree)
     assert r.returncode == 0, r.stderr

@@ -26,7 +26,7 @@ def setup(reclaim: str, caching: bool = False):
     )
     from vllm.v1.request import Request
     from vllm.vtoken.config import VTokenConfig
-    from vllm.vtoken.manager import VTokenScheduler
+    from vllm.vtoken.scheduler import VTokenScheduler
 
     spec = FullAttentionSpec(
         block_size=B, num_kv_heads=1, head_size=1, dtype=torch.float32
@@ -140,7 +140,7 @@ def test_hand_computed_step(reclaim):
     vt.on_free(req)
     kv.free(req)
     assert kv.block_pool.get_num_free_blocks() == free0
-    assert "A" not in vt.pool and not vt._nulls
+    assert "A" not in vt.pool and not vt._reqs
 
 
 def test_preemption_keeps_dead_set_and_frees_everything():

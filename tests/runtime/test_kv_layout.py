@@ -1,4 +1,5 @@
-"""Check C1: the CPU_ATTN cache layout that every vToken read and move relies on.
+"""The integration map's layout check (its C1): the CPU_ATTN cache layout that
+every vToken read and move relies on.
 
 vLLM's own writer (`cpu_attn_reshape_and_cache`, ISA vec/vec16) stores V
 naturally `[B, D]` per (block, head) page and K transposed `[D, B]`. Written
@@ -8,7 +9,7 @@ tokens are read back through that index math and through `gather_live_kv`.
 import pytest
 import torch
 
-from vllm.vtoken.token_attention import gather_live_kv
+from vllm.vtoken.cpu_attention import gather_live_kv
 
 ops = pytest.importorskip(
     "vllm._custom_ops",

@@ -25,7 +25,7 @@ def view(live_idx, evictable=None, scores=None, rid="r", seed=0) -> RequestView:
         live_idx=live_idx,
         evictable=np.asarray(evictable),
         scores=scores,
-        rng=request_rng(seed, rid),
+        rng=request_rng(seed, rid.encode()),
     )
 
 

@@ -123,7 +123,7 @@ class Sim:
             self.live[rid].difference_update(dead.tolist())
         for rid, src, m in batch:  # the worker copies, then the scheduler acks
             self.kv[m.dst_slots] = self.kv[m.src_slots]
-            self.pool.remap(rid, m.idx, m.dst_slots)
+            self.pool.apply_moves([rid], np.array([0, m.idx.size]), m.idx, m.dst_slots)
             assert (self.pool.block_live[src] == 0).all(), "live token left behind"
             self._free_blocks(rid, src.tolist())
             self.stats["moves"] += m.idx.size

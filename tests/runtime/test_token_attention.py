@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from tests.runtime.interpreter import run_under_interpreter
+from tests.runtime.reference import token_attention_reference
 from vllm.vtoken.copy_executor import KVCopyExecutor
-from vllm.vtoken.scores import attention_mass_reference
-from vllm.vtoken.token_attention import (
+from vllm.vtoken.cpu_attention import build_cpu_read_plan, cpu_token_attention
+from vllm.vtoken.triton_attention import (
+    attention_mass,
     build_token_table,
-    cpu_token_attention,
-    token_attention_reference,
     triton_token_attention,
 )
 
@@ -91,9 +91,28 @@ def make_batch(
     )
 
 
-def run_cpu(b, scores=None, kv_slots=None, plan_cache=None):
+def cpu_read(
+    query,
+    key_cache,
+    value_cache,
+    out,
+    *,
+    query_start_loc,
+    kv_indptr,
+    kv_slots,
+    scale,
+    scores=None,
+):
+    """One layer's read as the worker sets it up: plan, then attention."""
+    plan = build_cpu_read_plan(
+        query_start_loc, kv_indptr, kv_slots, key_cache.shape[2], key_cache.shape[1]
+    )
+    cpu_token_attention(query, key_cache, value_cache, out, plan, scale, scores)
+
+
+def run_cpu(b, scores=None, kv_slots=None):
     out = torch.full_like(b["query"], float("nan"))
-    cpu_token_attention(
+    cpu_read(
         b["query"],
         b["key_cache"],
         b["value_cache"],
@@ -103,7 +122,6 @@ def run_cpu(b, scores=None, kv_slots=None, plan_cache=None):
         kv_slots=b["kv_slots"] if kv_slots is None else kv_slots,
         scale=b["scale"],
         scores=scores,
-        plan_cache=plan_cache,
     )
     return out
 
@@ -242,7 +260,7 @@ def test_all_live_matches_vllm_cpu_kernel(isa, block):
         s_aux=None,
     )
     ours = torch.zeros_like(query)
-    cpu_token_attention(
+    cpu_read(
         query,
         key_cache,
         value_cache,
@@ -283,7 +301,7 @@ def test_scores_mass_equals_dense_attention_mass():
     # The score module's oracle agrees: same GQA head mapping and causal mask.
     kv_loc = b["kv_indptr"]
     for r in range(len(qsl) - 1):
-        want = attention_mass_reference(
+        want = attention_mass(
             b["query"][qsl[r] : qsl[r + 1]], b["live_k"][r], b["scale"]
         )
         got = mass[kv_loc[r] : kv_loc[r + 1]]
@@ -296,7 +314,7 @@ def test_requests_without_queries_are_skipped():
     b["query_start_loc"] = np.array([0, 2, 2], dtype=np.int32)
     out = torch.zeros_like(b["query"])
     rec = RecordingScores()
-    cpu_token_attention(
+    cpu_read(
         b["query"],
         b["key_cache"],
         b["value_cache"],
@@ -312,10 +330,10 @@ def test_requests_without_queries_are_skipped():
     assert torch.equal(rec.calls[0][0], b["kv_slots"][:n0])
 
 
-def test_bad_index_arrays_raise():
+def test_bad_index_arrays_are_caught():
     b = make_batch(1, q_lens=[2], ctx_lens=[3], dead_frac=0.0)
-    with pytest.raises(ValueError, match="disagree"):
-        cpu_token_attention(
+    with pytest.raises(AssertionError, match="disagree"):
+        cpu_read(
             b["query"],
             b["key_cache"],
             b["value_cache"],
@@ -325,8 +343,8 @@ def test_bad_index_arrays_raise():
             kv_slots=b["kv_slots"],
             scale=1.0,
         )
-    with pytest.raises(ValueError, match="live slots"):
-        cpu_token_attention(
+    with pytest.raises(AssertionError, match="fewer live slots"):
+        cpu_read(
             b["query"],
             b["key_cache"],
             b["value_cache"],
@@ -348,16 +366,16 @@ def test_build_token_table_exact_rows():
     assert table[1, :2].tolist() == [0, 47]
     assert not table[0, 3:].any() and not table[1, 2:].any()
     assert lens.tolist() == [3, 2]
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(AssertionError, match="multiple of 64"):
         build_token_table(np.array([0, 3, 5]), slots, block, 48)
-    with pytest.raises(ValueError, match="kv_indptr"):
+    with pytest.raises(AssertionError, match="kv_indptr"):
         build_token_table(np.array([0, 3, 6]), slots, block, 64)
 
 
 _INTERP_CHILD = """
     import vllm._custom_ops as ops
-    from vllm.vtoken.token_attention import (
-        build_token_table, cpu_token_attention, triton_token_attention)
+    from vllm.vtoken.cpu_attention import build_cpu_read_plan, cpu_token_attention
+    from vllm.vtoken.triton_attention import build_token_table, triton_token_attention
 
     gen = torch.Generator().manual_seed(0)
     N, H, Hq, B, D = 12, 2, 4, 16, 32
@@ -375,8 +393,8 @@ _INTERP_CHILD = """
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = torch.randn(int(qsl[-1]), Hq, D, generator=gen)
     want = torch.zeros_like(q)
-    cpu_token_attention(q, kc, vc, want, query_start_loc=qsl, kv_indptr=indptr,
-                        kv_slots=slots, scale=D ** -0.5)
+    plan = build_cpu_read_plan(qsl, indptr, slots, B, H)
+    cpu_token_attention(q, kc, vc, want, plan, D ** -0.5)
     table, live_lens = build_token_table(indptr, slots, B, 64)
     got = torch.zeros_like(q)
     triton_token_attention(q, tri, got, query_start_loc=torch.from_numpy(qsl),
@@ -425,14 +443,19 @@ def test_gpu_triton_token_attention_matches_reference():
     torch.testing.assert_close(out.cpu(), reference(b), atol=1e-2, rtol=1e-2)
 
 
-def test_plan_is_built_once_per_step_and_shared_by_layers():
-    """The model runner passes one dict per step: layer 2..L reuse the plan."""
+def test_one_plan_serves_every_layer():
+    """The worker builds the plan once per step; each layer reads through it."""
     b = make_batch(11, **SHAPES["mixed"])
-    cache: dict = {}
-    first = run_cpu(b, plan_cache=cache)
-    plan = cache["plan"]
+    plan = build_cpu_read_plan(
+        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
+    )
     assert plan.decode and plan.others  # both paths exercised
-    again = run_cpu(b, plan_cache=cache)
-    assert cache["plan"] is plan
-    torch.testing.assert_close(first, again, atol=0, rtol=0)
-    torch.testing.assert_close(first, reference(b), atol=1e-5, rtol=1e-5)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(b["query"], float("nan"))
+        cpu_token_attention(
+            b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"]
+        )
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    torch.testing.assert_close(outs[0], reference(b), atol=1e-5, rtol=1e-5)

@@ -2,8 +2,8 @@
 
 The same live tokens laid out as vLLM's CPU cache and as its TRITON_ATTN cache:
 `cpu_forward` and `triton_forward` (Triton under TRITON_INTERPRET=1, on CPU) give
-the same output and feed the score accumulator the same attention mass, before
-and after the table is reused by a second layer.
+the same output and feed the score accumulator the same attention mass, over two
+layers reading through the one plan the worker builds per step.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from tests.runtime.interpreter import run_under_interpreter
 
 _CHILD = """
     from vllm.vtoken.context import TokenRead
+    from vllm.vtoken.cpu_attention import build_cpu_read_plan, cpu_forward
     from vllm.vtoken.scores import ScoreAccumulator
+    from vllm.vtoken.triton_attention import build_triton_read_plan, triton_forward
 
     gen = torch.Generator().manual_seed(3)
     N, H, Hq, B, D = 10, 2, 4, 16, 32
@@ -34,14 +36,18 @@ _CHILD = """
     outs, accs = [], []
     for forward in ("cpu", "triton"):
         scores = ScoreAccumulator(N * B, "sum")
+        if forward == "cpu":
+            plan = build_cpu_read_plan(qsl, indptr, slots, B, H)
+        else:
+            plan = build_triton_read_plan(qsl, indptr, slots, B)
         read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
-                         scores=scores, block_size=B)
+                         plan=plan, scores=scores)
         out = torch.zeros(len(q), Hq * D)
-        for _layer in range(2):  # the second layer reuses the GPU table
+        for _layer in range(2):  # every layer reads through the one plan
             if forward == "cpu":
-                read.cpu_forward(q, cpu[0], cpu[1], out, D ** -0.5)
+                cpu_forward(read, q, cpu[0], cpu[1], out, D ** -0.5)
             else:
-                read.triton_forward(q, tri, out, D ** -0.5)
+                triton_forward(read, q, tri, out, D ** -0.5)
         scores.finish_step(slots, 1, 2.0 * Hq)
         outs.append(out)
         accs.append(scores.scores(slots.numpy()))

@@ -7,8 +7,12 @@ dead through two calls (`sync_new_tokens`, `evict_token`), and compacts the live
 tokens of under-used blocks into fewer blocks so the emptied blocks go back to
 vLLM's block pool.
 
-Scheduler side: token_table, policies, eviction, planner, manager.
-Worker side:    copy_executor, token_attention, scores, worker.
+Scheduler side: token_table, policies, eviction, planner, request_state,
+                reclaimer, scheduler.
+Worker side:    copy_executor, kv_copy_triton, cpu_attention, triton_attention,
+                context, scores, worker.
+Both:           config, messages, stats, metrics, integrity.
+docs/DESIGN.md §8 maps which call lives where.
 The core modules import only numpy and torch; vLLM types appear under
 TYPE_CHECKING only, so they can be tested without starting an engine.
 """

@@ -85,7 +85,7 @@ class VTokenConfig:
         )
         return self
 
-    def verify_with_vllm_config(self, vllm_config: "VllmConfig") -> None:
+    def verify_and_update_config(self, vllm_config: "VllmConfig") -> None:
         """Refuse what vToken does not support; turn off what is not yet safe.
 
         Raises:

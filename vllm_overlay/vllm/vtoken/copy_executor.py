@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.vtoken import integrity
+
 LAYOUTS = ("cpu", "triton")
 
 
@@ -138,13 +140,11 @@ class KVCopyExecutor:
             src_slots: `[M]` integer slots holding live tokens.
             dst_slots: `[M]` integer slots to write; unique, none a source.
 
-        Raises:
-            ValueError: lengths differ, a slot is out of range, a destination
-                repeats or is also a source, or `batch_id` is still unreported.
         """
         src, dst = self._check_plan(src_slots, dst_slots)
-        if batch_id in self._done or any(p.batch_id == batch_id for p in self._pending):
-            raise ValueError(f"batch {batch_id} was submitted and not yet reported")
+        assert batch_id not in self._done and all(
+            p.batch_id != batch_id for p in self._pending
+        ), f"batch {batch_id} was submitted and not yet reported"
         if self._is_cuda:
             self._submit_cuda(batch_id, src, dst)
         else:
@@ -192,26 +192,22 @@ class KVCopyExecutor:
         self, src_slots: np.ndarray, dst_slots: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         src, dst = np.asarray(src_slots), np.asarray(dst_slots)
-        if src.ndim != 1 or dst.ndim != 1 or src.shape != dst.shape:
-            raise ValueError(
-                f"src and dst must be 1-D of equal length, got {src.shape} "
-                f"and {dst.shape}"
-            )
+        assert src.ndim == 1 and dst.ndim == 1 and src.shape == dst.shape, (
+            f"src and dst must be 1-D of equal length, got {src.shape}, {dst.shape}"
+        )
         if src.size == 0:
             return src.astype(np.int64), dst.astype(np.int64)
-        if not (
-            np.issubdtype(src.dtype, np.integer)
-            and np.issubdtype(dst.dtype, np.integer)
-        ):
-            raise ValueError(f"slots must be integers, got {src.dtype}, {dst.dtype}")
+        assert np.issubdtype(src.dtype, np.integer) and np.issubdtype(
+            dst.dtype, np.integer
+        ), f"slots must be integers, got {src.dtype}, {dst.dtype}"
         src, dst = src.astype(np.int64), dst.astype(np.int64)
-        lo, hi = min(src.min(), dst.min()), max(src.max(), dst.max())
-        if lo < 0 or hi >= self.num_slots:
-            raise ValueError(f"slot out of range [0, {self.num_slots}): {lo}..{hi}")
-        if np.unique(dst).size != dst.size:
-            raise ValueError("duplicate destination slots")
-        if np.isin(src, dst).any():
-            raise ValueError("a destination slot is also a source slot")
+        if integrity.CHECK:
+            lo, hi = min(src.min(), dst.min()), max(src.max(), dst.max())
+            assert 0 <= lo and hi < self.num_slots, (
+                f"slot out of range [0, {self.num_slots}): {lo}..{hi}"
+            )
+            assert np.unique(dst).size == dst.size, "duplicate destination slots"
+            assert not np.isin(src, dst).any(), "a destination is also a source"
         return src, dst
 
     def _copy_torch(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -5,13 +5,14 @@ Scheduler side. `EvictionRuntime` keeps the Token Tables in step with the tokens
 vLLM computes (`sync_new_tokens`), asks the policy for victims when a request
 holds more live tokens than its budget (`enforce_budget`), checks the policy's
 answer against the contract and applies it to the pool. Each request gets its own
-random generator, seeded from (seed, a stable hash of its id), so results do not
-depend on batch order or on Python's hash randomization.
+random generator, seeded from (seed, a stable hash of a key: its id, or what the
+caller passes, e.g. its prompt), so results do not depend on batch order or on
+Python's hash randomization.
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Callable
 
 import numpy as np
@@ -20,9 +21,10 @@ from vllm.vtoken.policies.base import EvictionPolicy, RequestView
 from vllm.vtoken.token_table import TokenTablePool
 
 
-def request_rng(seed: int, req_id: str) -> np.random.Generator:
-    """The per-request generator: same (seed, req_id), same draws."""
-    return np.random.default_rng([int(seed), zlib.crc32(req_id.encode())])
+def request_rng(seed: int, key: bytes) -> np.random.Generator:
+    """The per-request generator: same (seed, key), same draws."""
+    digest = np.frombuffer(hashlib.sha256(key).digest()[:16], dtype=np.uint32)
+    return np.random.default_rng([int(seed), *digest.tolist()])
 
 
 class EvictionRuntime:
@@ -64,7 +66,7 @@ class EvictionRuntime:
         )
 
     def sync_new_tokens(
-        self, req_id: str, slots: np.ndarray, rng_key: str | None = None
+        self, req_id: str, slots: np.ndarray, rng_key: bytes | None = None
     ) -> None:
         """Slots the next tokens of a request and tells the policy about new ones.
 
@@ -82,7 +84,8 @@ class EvictionRuntime:
         """
         if req_id not in self.pool:
             self.pool.add_request(req_id)
-            self._rngs[req_id] = request_rng(self.seed, rng_key or req_id)
+            key = req_id.encode() if rng_key is None else rng_key
+            self._rngs[req_id] = request_rng(self.seed, key)
         before = self.pool.num_tokens(req_id)
         self.pool.append(req_id, slots)
         num_new = self.pool.num_tokens(req_id) - before

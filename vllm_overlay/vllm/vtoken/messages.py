@@ -6,9 +6,13 @@ and at most one batch of KV moves). Worker -> scheduler: `VTokenWorkerOutput`, o
 `ModelRunnerOutput.vtoken_output` (move batches whose copy completed, and the
 attention-score accumulator that H2O and Scissorhands read).
 
-Both are fresh objects every step and never mutated after the hand-off: with one
-worker they pass by reference; with several they are pickled, and numpy arrays
-travel out of band.
+Both are fresh objects every step, and nothing in them is mutated after the
+hand-off except one documented handle: `VTokenWorkerOutput.scores` is the
+worker's live `ScoreAccumulator`. In process (one worker, UniProcExecutor, the
+default) the scheduler reads it by reference before the next forward runs, which
+is when it reads it anyway; a multi-process executor pickles it whole each step
+(correct, but O(KV slots) per step: per-step score deltas replace it when
+multi-rank support lands). Numpy arrays travel out of band.
 """
 
 from __future__ import annotations
@@ -36,12 +40,6 @@ class MoveBatch:
     src_slots: np.ndarray  # int64 [num_moves]
     dst_slots: np.ndarray  # int64 [num_moves]
 
-    def per_request(self):
-        """Yields (req_id, idx, src_slots, dst_slots) for each request."""
-        for r, req_id in enumerate(self.req_ids):
-            lo, hi = self.indptr[r], self.indptr[r + 1]
-            yield req_id, self.idx[lo:hi], self.src_slots[lo:hi], self.dst_slots[lo:hi]
-
     def __repr__(self) -> str:  # SchedulerOutput is logged on engine errors
         return (
             f"MoveBatch(id={self.batch_id}, reqs={len(self.req_ids)}, "
@@ -67,4 +65,4 @@ class VTokenWorkerOutput:
 
     acked_batches: list[int] = field(default_factory=list)
     copy_bytes: int = 0  # running total of KV bytes the worker's moves wrote
-    scores: ScoreAccumulator | None = None
+    scores: ScoreAccumulator | None = None  # a handle, see the module docstring

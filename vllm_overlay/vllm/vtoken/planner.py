@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm.vtoken import integrity
+
 
 @dataclass(frozen=True, kw_only=True)
 class BlockPlan:
@@ -70,37 +72,19 @@ def _cumsum_before_in_group(
 
 
 def _position(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """int64: the index in `keys` (distinct, non-negative) of each non-negative
-    value, or -1 where it is absent."""
+    """int64: the index in `keys` (distinct) of each value, or -1 if absent."""
     if keys.size == 0:
         return np.full(values.shape, -1, dtype=np.int64)
-    top = int(keys.max())
-    if top < 4 * (values.size + keys.size):  # a table beats binary search
-        table = np.full(top + 2, -1, dtype=np.int64)
-        table[keys] = np.arange(keys.size)
-        return table[np.minimum(values, top + 1)]
     order = np.argsort(keys)
     at = order[np.minimum(np.searchsorted(keys[order], values), keys.size - 1)]
     return np.where(keys[at] == values, at, -1)
 
 
-def _sort_by_req_then_live(
-    req: np.ndarray, live: np.ndarray, block_size: int
-) -> np.ndarray:
-    """Stable argsort by (req, live); req is non-decreasing (CSR order)."""
-    if block_size < 256 and (req.size == 0 or req[-1] < 65536):
-        # Two stable passes on <= 16-bit keys: numpy radix-sorts those, twice as
-        # fast as one 64-bit key sort.
-        by_live = np.argsort(live.astype(np.uint8), kind="stable")
-        return by_live[np.argsort(req[by_live].astype(np.uint16), kind="stable")]
-    return np.argsort(req * (block_size + 1) + live, kind="stable")
-
-
 def _check_csr(indptr: np.ndarray, n: int) -> None:
-    if indptr.ndim != 1 or indptr.size == 0 or indptr[0] != 0 or indptr[-1] != n:
-        raise ValueError(f"req_indptr must be 1-D, start at 0 and end at {n}")
-    if (np.diff(indptr) < 0).any():
-        raise ValueError("req_indptr must be non-decreasing")
+    assert indptr.ndim == 1 and indptr.size and indptr[0] == 0 and indptr[-1] == n, (
+        f"req_indptr must be 1-D, start at 0 and end at {n}"
+    )
+    assert (np.diff(indptr) >= 0).all(), "req_indptr must be non-decreasing"
 
 
 def plan_blocks(
@@ -132,25 +116,16 @@ def plan_blocks(
 
     Returns:
         The plan; requests without a plan are absent.
-
-    Raises:
-        ValueError: Bad threshold, block_size, CSR or lengths; a live count
-            outside [0, block_size]; a repeated block.
     """
-    if not 0.0 < threshold <= 1.0:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
+    assert 0.0 < threshold <= 1.0 and block_size > 0, (threshold, block_size)
     indptr = np.asarray(req_indptr, dtype=np.int64)
     ids = np.asarray(block_ids)
     live = np.asarray(block_live, dtype=np.int64)
-    if ids.ndim != 1 or live.shape != ids.shape:
-        raise ValueError(f"block_ids {ids.shape} and block_live {live.shape} differ")
-    _check_csr(indptr, ids.size)
-    if live.size and (live.min() < 0 or live.max() > block_size):
-        raise ValueError(f"block_live outside [0, {block_size}]")
-    if ids.size and (np.bincount(ids.astype(np.int64)) > 1).any():
-        raise ValueError("block_ids repeat a block")
+    assert ids.ndim == 1 and live.shape == ids.shape, (ids.shape, live.shape)
+    if integrity.CHECK:
+        _check_csr(indptr, ids.size)
+        assert live.size == 0 or (0 <= live.min() and live.max() <= block_size)
+        assert np.unique(ids).size == ids.size, "block_ids repeat a block"
 
     num_req = indptr.size - 1
     req = np.repeat(np.arange(num_req, dtype=np.int64), np.diff(indptr))
@@ -158,7 +133,7 @@ def plan_blocks(
     k = (holes // block_size).astype(np.int64)
     # Rank of each candidate inside its request, sparsest first.
     cand = np.flatnonzero(live / block_size < threshold)
-    order = cand[_sort_by_req_then_live(req[cand], live[cand], block_size)]
+    order = cand[np.lexsort((live[cand], req[cand]))]  # stable
     o_req = req[order]
     rank = _cumsum_before_in_group(o_req, np.ones_like(o_req), num_req)
     is_src = np.zeros(ids.size, dtype=bool)
@@ -167,9 +142,9 @@ def plan_blocks(
     if not planned.any():
         return _empty_plan()
     src = np.flatnonzero(is_src)
-    src = src[_sort_by_req_then_live(req[src], live[src], block_size)]
+    src = src[np.lexsort((live[src], req[src]))]
     dst = np.flatnonzero(~is_src & planned[req] & (live < block_size))
-    dst = dst[_sort_by_req_then_live(req[dst], block_size - live[dst], block_size)]
+    dst = dst[np.lexsort((block_size - live[dst], req[dst]))]
     # Only as many destinations as the moved tokens need, densest first.
     need = np.bincount(req[src], weights=live[src], minlength=num_req)
     before = _cumsum_before_in_group(req[dst], block_size - live[dst], num_req)
@@ -226,19 +201,14 @@ def pack_request(
     Returns:
         The moves, in logical order.
 
-    Raises:
-        ValueError: If the tokens do not fit, inputs are misaligned or a
-            destination is also a source.
     """
     B = block_size
     idx = np.asarray(live_idx, dtype=np.int64)
     slots = np.asarray(live_slots, dtype=np.int64)
     src_b = np.asarray(src_block_ids, dtype=np.int64)
     dst_b = np.asarray(dst_block_ids, dtype=np.int64)
-    if idx.shape != slots.shape or idx.ndim != 1:
-        raise ValueError(f"live_idx {idx.shape} and live_slots {slots.shape} differ")
-    if (_position(dst_b, src_b) >= 0).any():
-        raise ValueError("a destination block is also a source block")
+    assert idx.ndim == 1 and idx.shape == slots.shape, (idx.shape, slots.shape)
+    assert not (_position(dst_b, src_b) >= 0).any(), "a destination is a source"
     block, offset = slots // B, slots % B
     sel = _position(block, src_b) >= 0
     m = int(np.count_nonzero(sel))
@@ -248,11 +218,7 @@ def pack_request(
     occupied = np.zeros((dst_b.size, B), dtype=bool)
     occupied[row[in_dst], offset[in_dst]] = True
     free = np.flatnonzero(~occupied.ravel())
-    if m > free.size:
-        raise ValueError(
-            f"{m} live tokens do not fit in the {free.size} free slots of "
-            f"{dst_b.size} destination blocks"
-        )
+    assert m <= free.size, f"{m} live tokens do not fit in {free.size} free slots"
     free = free[:m]
     return Moves(
         idx=idx[sel],

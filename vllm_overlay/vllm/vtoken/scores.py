@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Per-slot attention-score accumulation for score-based eviction policies.
 
-Worker side (written by the attention path); the scheduler reads it by reference
-(one worker) through `ScoreAccumulator.scores`. Scores are indexed by physical
-slot, so compaction moves them with the tokens (`move`) and a slot's next owner
-starts from zero (`reset`).
+Worker side (written by the attention path); the scheduler reads it through
+`ScoreAccumulator.scores`. `VTokenWorkerOutput.scores` is a handle to it, not a
+snapshot (see messages.py). Scores are indexed by physical slot, so compaction
+moves them with the tokens (`move`) and a slot's next owner starts from zero
+(`reset`).
 
 Per step and request: `add` once per layer with the attention mass each key
 received, then `finish_step` once to fold the step into the running score:
@@ -35,14 +36,8 @@ class ScoreAccumulator:
             mode: "sum" (accumulated attention mass) or "persistence" (steps
                 in which the token was important).
             device: Where the buffers live (the KV cache's device).
-
-        Raises:
-            ValueError: On an unknown mode or a non-positive size.
         """
-        if mode not in SCORE_MODES:
-            raise ValueError(f"score mode must be one of {SCORE_MODES}, got {mode!r}")
-        if num_slots <= 0:
-            raise ValueError(f"num_slots must be > 0, got {num_slots}")
+        assert mode in SCORE_MODES and num_slots > 0, (mode, num_slots)
         self.mode = mode
         self.device = torch.device(device)
         self.acc = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
@@ -77,12 +72,8 @@ class ScoreAccumulator:
             num_keys: Keys each query attended (the 1/t threshold of
                 "persistence"): an int or int [n] per slot; default len(slots),
                 right for one request.
-
-        Raises:
-            ValueError: If norm is not positive.
         """
-        if norm <= 0:
-            raise ValueError(f"norm must be > 0, got {norm}")
+        assert norm > 0, norm
         idx = self._idx(slots)
         mass = self._step[idx]
         if self.mode == "sum":
@@ -127,35 +118,3 @@ class ScoreAccumulator:
 
 def _on(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
     return value.to(device) if isinstance(value, torch.Tensor) else value
-
-
-def attention_mass_reference(
-    q: torch.Tensor, k: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention probability mass per key: the oracle for fused score paths.
-
-    softmax(q k^T * scale) with a bottom-right causal mask (query i of Lq sits
-    at position Lk - Lq + i), summed over query heads and query rows. GQA: query
-    head h reads KV head h // (Hq // Hkv).
-
-    Args:
-        q: [Lq, Hq, D] queries.
-        k: [Lk, Hkv, D] keys; Hq must be a multiple of Hkv.
-        scale: Softmax scale, usually D ** -0.5.
-
-    Returns:
-        float32 [Lk]; sums to Hq * Lq.
-
-    Raises:
-        ValueError: On mismatched shapes.
-    """
-    lq, hq, d = q.shape
-    lk, hkv, dk = k.shape
-    if dk != d or hq % hkv or lq > lk:
-        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k.shape)}")
-    kx = k.float().repeat_interleave(hq // hkv, dim=1)  # [Lk, Hq, D]
-    logits = torch.einsum("qhd,khd->hqk", q.float(), kx) * scale  # [Hq, Lq, Lk]
-    pos_q = torch.arange(lq, device=q.device) + (lk - lq)
-    mask = torch.arange(lk, device=q.device)[None, :] > pos_q[:, None]  # [Lq, Lk]
-    probs = torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
-    return probs.sum(dim=(0, 1))

@@ -4,7 +4,7 @@
 Scheduler side. One `TokenTablePool` holds the Token Table of every running request
 (logical token index -> physical slot, and a liveness bit) and the block view
 (`block_live`: live tokens per physical block). Every mutation goes through one
-method that updates both views together (design challenge C1), so they cannot
+method that updates both views together (docs/DESIGN.md §3.1, C1), so they cannot
 disagree; `check_integrity()` recounts one from the other.
 
 Slot layout of one request (block_size B = 4, `x` = dead, `.` = unused)::
@@ -21,9 +21,12 @@ reused, a stale slot may coincide with a live token's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from vllm.vtoken import integrity
 
 
 @dataclass(slots=True)
@@ -39,10 +42,10 @@ class _Table:
 
 def _as_index(values: np.ndarray | list[int], what: str) -> np.ndarray:
     arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
+    assert arr.ndim == 1, f"{what} must be 1-D, got shape {arr.shape}"
+    assert arr.size == 0 or np.issubdtype(arr.dtype, np.integer), (
+        f"{what} must hold integers, got dtype {arr.dtype}"
+    )
     return arr.astype(np.int64, copy=False)
 
 
@@ -57,14 +60,7 @@ class TokenTablePool:
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        """Creates an empty pool over num_blocks blocks of block_size slots.
-
-        Raises ValueError if either is not positive.
-        """
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(
-                f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0"
-            )
+        assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self.num_slots = self.num_blocks * self.block_size
@@ -74,9 +70,8 @@ class TokenTablePool:
 
     # ------------------------------------------------------------ lifecycle
     def add_request(self, req_id: str) -> None:
-        """Registers an empty table (ValueError if `req_id` is present)."""
-        if req_id in self._tables:
-            raise ValueError(f"request {req_id!r} already has a token table")
+        """Registers an empty table for a request not yet present."""
+        assert req_id not in self._tables, f"{req_id!r} already has a token table"
         self._tables[req_id] = _Table(
             slot=np.full(16, -1, dtype=np.int32), live=np.zeros(16, dtype=bool)
         )
@@ -85,18 +80,14 @@ class TokenTablePool:
         return req_id in self._tables
 
     def release(self, req_id: str) -> None:
-        """Drops a finished or aborted request and its counts (KeyError if unknown)."""
-        t = self._table(req_id)
+        """Drops a finished or aborted request and its counts."""
+        t = self._tables.pop(req_id)
         self._count(self._live_slots(t), -1)
         self._total_live -= t.n_live
-        del self._tables[req_id]
 
     def reset_slots(self, req_id: str) -> None:
-        """Preemption: slots become -1, block counts go, liveness bits stay.
-
-        Raises KeyError if `req_id` is unknown.
-        """
-        t = self._table(req_id)
+        """Preemption: slots become -1, block counts go, liveness bits stay."""
+        t = self._tables[req_id]
         self._count(self._live_slots(t), -1)
         t.slot[: t.n_slotted] = -1
         t.n_slotted = 0
@@ -111,13 +102,9 @@ class TokenTablePool:
         Args:
             req_id: A registered request.
             slots: Integer [n], distinct, each in [0, num_blocks * block_size).
-
-        Raises:
-            KeyError: If `req_id` is unknown.
-            ValueError: On a bad shape/dtype, an out-of-range or repeated slot.
         """
-        t = self._table(req_id)
-        s = self._check_slots(slots, "slots")
+        t = self._tables[req_id]
+        s = self._as_slots(slots, "slots")
         if s.size == 0:
             return
         start, end = t.n_slotted, t.n_slotted + s.size
@@ -135,7 +122,6 @@ class TokenTablePool:
     def evict(self, req_id: str, idx: np.ndarray) -> np.ndarray:
         """Marks tokens dead: flips their bits and leaves their blocks' counts.
 
-        Validates everything before mutating; on error the state is unchanged.
         Evicting no tokens is a no-op.
 
         Args:
@@ -144,59 +130,64 @@ class TokenTablePool:
 
         Returns:
             int64 [n]: the evicted indices, sorted.
-
-        Raises:
-            KeyError: Unknown request. IndexError: index out of range.
-            ValueError: Repeated or already-dead index, bad shape/dtype.
         """
-        t = self._table(req_id)
-        i = self._check_idx(t, idx)
+        t = self._tables[req_id]
+        i = self._as_idx(t, idx)
         if i.size == 0:
             return i
-        if not t.live[i].all():
-            raise ValueError(f"{req_id!r}: tokens {i[~t.live[i]][:8]} already dead")
+        assert t.live[i].all(), f"{req_id!r}: tokens {i[~t.live[i]][:8]} already dead"
         t.live[i] = False
         self._count(t.slot[i], -1)
         t.n_live -= i.size
         self._total_live -= i.size
         return i
 
-    def remap(self, req_id: str, idx: np.ndarray, new_slots: np.ndarray) -> None:
-        """Points tokens at their slots after a KV move.
+    def apply_moves(
+        self,
+        req_ids: Sequence[str],
+        indptr: np.ndarray,
+        idx: np.ndarray,
+        dst_slots: np.ndarray,
+        keep: Sequence[bool] | None = None,
+    ) -> None:
+        """Switches a completed move batch: its tokens now live at `dst_slots`.
 
-        A token that died after the move was planned still gets its new slot,
-        but is counted in no block. Validates before mutating.
+        The paper's `apply_moves`, on the Token Table (both views, C1). Request
+        r's moves are entries [indptr[r], indptr[r + 1]): token idx[j] moves to
+        dst_slots[j]. A token that died after the move was planned still gets
+        its new slot, but is counted in no block. Requests that left the pool
+        (finished), have no slots (preempted) or are not in `keep` are skipped.
 
         Args:
-            req_id: A registered request.
-            idx: Integer [n] logical indices, distinct, in [0, num_slotted).
-            new_slots: Integer [n] distinct slots, aligned with `idx`.
-
-        Raises:
-            KeyError: Unknown request. IndexError: index out of range.
-            ValueError: Repeated index or slot, length mismatch, slot out of range.
+            req_ids: The batch's requests.
+            indptr: int [R + 1] CSR into idx and dst_slots.
+            idx: int [M] logical indices, distinct per request.
+            dst_slots: int [M] slots, distinct.
+            keep: Optional bool [R]: False skips that request's moves.
         """
-        t = self._table(req_id)
-        ns = self._check_slots(new_slots, "new_slots")
-        raw = _as_index(idx, "idx")
-        if raw.size != ns.size:
-            raise ValueError(f"idx ({raw.size}) and new_slots ({ns.size}) differ")
-        self._check_idx(t, raw)
-        live = t.live[raw]
-        self._count(t.slot[raw][live], -1)
-        self._count(ns[live], +1)
-        t.slot[raw] = ns
+        assert len(indptr) == len(req_ids) + 1 and len(idx) == len(dst_slots)
+        for r, req_id in enumerate(req_ids):
+            t = self._tables.get(req_id)
+            if t is None or t.n_slotted == 0 or (keep is not None and not keep[r]):
+                continue
+            lo, hi = indptr[r], indptr[r + 1]
+            i = self._as_idx(t, idx[lo:hi], sort=False)
+            ns = self._as_slots(dst_slots[lo:hi], "dst_slots")
+            live = t.live[i]
+            self._count(t.slot[i][live], -1)
+            self._count(ns[live], +1)
+            t.slot[i] = ns
 
     # ------------------------------------------------------------ queries
     def num_tokens(self, req_id: str) -> int:
-        return self._table(req_id).n_tokens
+        return self._tables[req_id].n_tokens
 
     def num_slotted(self, req_id: str) -> int:
-        return self._table(req_id).n_slotted
+        return self._tables[req_id].n_slotted
 
     def num_live(self, req_id: str) -> int:
         """Live tokens of the request, slotted or not (O(1))."""
-        return self._table(req_id).n_live
+        return self._tables[req_id].n_live
 
     def total_live(self) -> int:
         """Live tokens over all requests (O(1))."""
@@ -204,22 +195,22 @@ class TokenTablePool:
 
     def live_idx(self, req_id: str) -> np.ndarray:
         """int64: logical indices of slotted live tokens, ascending."""
-        t = self._table(req_id)
+        t = self._tables[req_id]
         return np.flatnonzero(t.live[: t.n_slotted])
 
     def live_slots(self, req_id: str) -> np.ndarray:
         """int64: slots of `live_idx(req_id)`, same order."""
-        t = self._table(req_id)
+        t = self._tables[req_id]
         return self._live_slots(t).astype(np.int64)
 
     def dead_idx(self, req_id: str) -> np.ndarray:
         """int64: logical indices of dead tokens (slotted or not), ascending."""
-        t = self._table(req_id)
+        t = self._tables[req_id]
         return np.flatnonzero(~t.live[: t.n_tokens])
 
     def slots(self, req_id: str) -> np.ndarray:
         """int32 view [num_slotted] of the slot map (do not write to it)."""
-        t = self._table(req_id)
+        t = self._tables[req_id]
         return t.slot[: t.n_slotted]
 
     def request_ids(self) -> list[str]:
@@ -279,12 +270,6 @@ class TokenTablePool:
         assert orphan.size == 0, f"live tokens in free blocks {orphan[:8].tolist()}"
 
     # ------------------------------------------------------------ internals
-    def _table(self, req_id: str) -> _Table:
-        try:
-            return self._tables[req_id]
-        except KeyError:
-            raise KeyError(f"unknown request {req_id!r}") from None
-
     def _live_slots(self, t: _Table) -> np.ndarray:
         return t.slot[: t.n_slotted][t.live[: t.n_slotted]]
 
@@ -304,18 +289,23 @@ class TokenTablePool:
         live[: t.live.size] = t.live
         t.slot, t.live = slot, live
 
-    def _check_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
+    def _as_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
         s = _as_index(slots, what)
-        if s.size and (s.min() < 0 or s.max() >= self.num_slots):
-            raise ValueError(f"{what} outside [0, {self.num_slots})")
-        if np.unique(s).size != s.size:
-            raise ValueError(f"{what} holds a slot twice")
+        if integrity.CHECK and s.size:
+            assert 0 <= s.min() and s.max() < self.num_slots, (
+                f"{what} outside [0, {self.num_slots})"
+            )
+            assert np.unique(s).size == s.size, f"{what} holds a slot twice"
         return s
 
-    def _check_idx(self, t: _Table, idx: np.ndarray) -> np.ndarray:
-        i = np.sort(_as_index(idx, "idx"))
-        if i.size and (i[0] < 0 or i[-1] >= t.n_slotted):
-            raise IndexError(f"token index outside [0, {t.n_slotted})")
-        if i.size > 1 and (np.diff(i) == 0).any():
-            raise ValueError("idx holds a token twice")
+    def _as_idx(self, t: _Table, idx: np.ndarray, sort: bool = True) -> np.ndarray:
+        i = _as_index(idx, "idx")
+        if sort:
+            i = np.sort(i)
+        if integrity.CHECK and i.size:
+            s = i if sort else np.sort(i)
+            assert 0 <= s[0] and s[-1] < t.n_slotted, (
+                f"token index outside [0, {t.n_slotted})"
+            )
+            assert (np.diff(s) != 0).all(), "idx holds a token twice"
         return i

@@ -5,13 +5,16 @@
 
   begin_step         (in _update_states) forget finished requests, re-slot
                      resumed ones, apply the scheduler's dead lists, submit the
-                     step's move batch to the copy executor, and switch the
-                     tokens of every completed batch to their new slots;
+                     step's move batch to the copy executor, `apply_moves`;
   prepare_attention  (after _prepare_inputs) append the step's tokens at their
-                     positional slots and publish, per batch row, the live slots
-                     in logical order (query tokens last) for attention;
+                     positional slots and publish the step's `TokenRead`: per
+                     batch row, the live slots in logical order (query tokens
+                     last), with the device's read plan built once for all layers;
   end_step           (building ModelRunnerOutput) fold this step's attention
-                     scores, clear the read state, acknowledge completed batches.
+                     scores, clear the read state, `apply_moves`, acknowledge.
+
+`apply_moves` switches the tokens of every batch whose copy has completed to
+their new slots (docs/DESIGN.md §3.3, C2: never before the copy landed).
 
 The worker keeps its own Token Tables, fed by the same messages as the
 scheduler's, so with several workers nothing but those messages is shared.
@@ -26,6 +29,7 @@ import torch
 
 from vllm.vtoken.context import TokenRead, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
+from vllm.vtoken.cpu_attention import build_cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
 from vllm.vtoken.policies import POLICIES
 from vllm.vtoken.scores import ScoreAccumulator
@@ -49,6 +53,8 @@ class VTokenWorker:
             ScoreAccumulator(num_blocks * B, mode, device=device) if mode else None
         )
         layout = "cpu" if device.type == "cpu" else "triton"
+        # CPU cache [2, N, H, B, D]: the read plan addresses V rows per KV head.
+        self._num_kv_heads = kv_caches[0].shape[2] if layout == "cpu" else 0
         self.executor = KVCopyExecutor(kv_caches, layout, B, scores=self.scores)
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
@@ -83,15 +89,14 @@ class VTokenWorker:
                 m = step.moves
                 self._pending[m.batch_id] = m
                 self.executor.submit(m.batch_id, m.src_slots, m.dst_slots)
-        self._switch_completed()
+        self.apply_moves()
 
-    def _switch_completed(self) -> None:
-        """The slot-map switch: only for batches whose copy has completed."""
+    def apply_moves(self) -> None:
+        """The paper's `apply_moves`, worker side: batches whose copy completed
+        switch their tokens to the new slots, and are acknowledged next."""
         for batch_id in self.executor.poll():
-            batch = self._pending.pop(batch_id)
-            for rid, idx, _, dst in batch.per_request():
-                if rid in self.pool and self.pool.num_slotted(rid) > 0:
-                    self.pool.remap(rid, idx, dst)
+            b = self._pending.pop(batch_id)
+            self.pool.apply_moves(b.req_ids, b.indptr, b.idx, b.dst_slots)
             self._acked.append(batch_id)
 
     def prepare_attention(
@@ -131,12 +136,18 @@ class VTokenWorker:
             kv.append(slots)
             kv_indptr[i + 1] = kv_indptr[i] + slots.size
         kv_slots = torch.from_numpy(np.concatenate(kv)).to(self._device)
+        if self._device.type == "cpu":
+            plan = build_cpu_read_plan(qsl, kv_indptr, kv_slots, B, self._num_kv_heads)
+        else:
+            from vllm.vtoken.triton_attention import build_triton_read_plan
+
+            plan = build_triton_read_plan(qsl, kv_indptr, kv_slots, B)
         self._read = TokenRead(
             query_start_loc=qsl,
             kv_indptr=kv_indptr,
             kv_slots=kv_slots,
+            plan=plan,
             scores=self.scores,
-            block_size=B,
         )
         set_token_read(self._read)
 
@@ -148,7 +159,7 @@ class VTokenWorker:
                 lo, hi = read.kv_indptr[r], read.kv_indptr[r + 1]
                 nq = int(read.query_start_loc[r + 1] - read.query_start_loc[r])
                 self.scores.finish_step(read.kv_slots[lo:hi], nq, self._score_norm)
-        self._switch_completed()
+        self.apply_moves()
         acked, self._acked = self._acked, []
         return VTokenWorkerOutput(
             acked_batches=acked,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The eviction-policy interface (design challenge C3) and its registry.
+"""The eviction-policy interface (docs/DESIGN.md §3.2, C3) and its registry.
 
 Scheduler side. A policy sees one request at a time through a `RequestView` built
 by `EvictionRuntime` and answers one question: which live tokens to evict. It

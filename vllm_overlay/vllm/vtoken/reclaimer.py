@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler side: evicted tokens become free blocks in vLLM's block pool.
+
+Two ways, both ending in `release_blocks` (null-replace in the request's
+positional block list, then `BlockPool.free_blocks`):
+
+  naive-evict   a block whose last live token died is freed at once
+                (`free_empty_blocks`);
+  compaction    the planner (planner.py) picks blocks to empty into the
+                request's own holes; `plan` turns that into one `MoveBatch` for
+                the worker, and the sources are freed once the worker has copied
+                them (`release_sources`, from `VTokenScheduler.apply_moves`).
+
+A block with a copy in flight (source or destination) is never freed or planned
+again until its batch is acknowledged (`_busy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm.vtoken.messages import MoveBatch
+from vllm.vtoken.planner import BlockPlan, pack_request, plan_blocks
+from vllm.vtoken.request_state import NO_BLOCKS, RequestState
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+    from vllm.vtoken.stats import VTokenCounters
+    from vllm.vtoken.token_table import TokenTablePool
+
+
+class BlockReclaimer:
+    """Block-pool side of eviction and compaction for one KV-cache group."""
+
+    def __init__(
+        self,
+        pool: TokenTablePool,
+        kv_cache_manager: KVCacheManager,
+        threshold: float,
+        counters: VTokenCounters,
+    ) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.block_pool = kv_cache_manager.block_pool
+        # vLLM's positional block lists, by request (token i in block [i // B]).
+        # Dense models have exactly one group (checked in VTokenConfig).
+        type_mgr = kv_cache_manager.coordinator.single_type_managers[0]
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = type_mgr.req_to_blocks
+        self.threshold = threshold
+        self.counters = counters
+        self._inflight: dict[int, MoveBatch] = {}  # batch_id -> batch
+        self._busy: dict[int, int] = {}  # block_id -> batch_id copying it
+        self._next_batch_id = 0
+
+    def positional(self, rid: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks[rid]
+
+    def free_empty_blocks(self, rid: str, rec: RequestState, dead: np.ndarray) -> None:
+        """Free blocks of `rid` whose last live token just died (Naive-Evict)."""
+        B = self.block_size
+        # Only blocks every token of which has been written: a block still
+        # being filled (e.g. by a chunked recompute) may get live tokens yet.
+        dead = dead[dead < self.pool.num_slotted(rid) // B * B]
+        slots = self.pool.slots(rid)[dead]
+        empty = {int(b) for b in np.unique(slots // B) if self.pool.block_live[b] == 0}
+        empty -= self._busy.keys()
+        if not empty:
+            return
+        self.release_blocks(rid, rec, self._held_blocks(rid, empty))
+
+    def _held_blocks(self, rid: str, ids: set[int]) -> list[KVCacheBlock]:
+        """The request's own (unshared) blocks among `ids`."""
+        return [
+            b
+            for b in self.positional(rid)
+            if b.block_id in ids and not b.is_null and b.ref_cnt == 1
+        ]
+
+    def release_blocks(
+        self, rid: str, rec: RequestState, blocks: list[KVCacheBlock]
+    ) -> None:
+        """Null-replace `blocks` of `rid` in its block table, then free them."""
+        if not blocks:
+            return
+        ids = {b.block_id for b in blocks}
+        positional = self.positional(rid)
+        null = self.block_pool.null_block
+        for i, b in enumerate(positional):
+            if b.block_id in ids and not b.is_null:
+                positional[i] = null
+                rec.nulls += 1
+        self.block_pool.free_blocks(blocks)
+        self.counters.reclaimed_blocks += len(blocks)
+
+    def pop_batch(self, batch_id: int) -> MoveBatch:
+        """An acknowledged batch: its destinations may be freed again."""
+        batch = self._inflight.pop(batch_id)
+        self._unbusy(batch_id, np.unique(batch.dst_slots // self.block_size))
+        return batch
+
+    def release_sources(self, rid: str, rec: RequestState) -> None:
+        """The request's part of its acknowledged batch: free the sources."""
+        self._unbusy(rec.move_batch, [b.block_id for b in rec.move_src])
+        self.release_blocks(rid, rec, rec.move_src)
+        rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
+
+    def drop_moves(self, rec: RequestState) -> None:
+        """Forget a request's in-flight moves; vLLM frees its blocks next.
+
+        The worker waits for a finished or preempted request's copies before
+        the step runs (VTokenWorker.begin_step), so the blocks may be reused.
+        """
+        if rec.move_batch is None:
+            return
+        self._unbusy(rec.move_batch, [b.block_id for b in rec.move_src])
+        self._unbusy(rec.move_batch, rec.move_dst)
+        rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
+
+    def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            if self._busy.get(int(b)) == batch_id:
+                del self._busy[int(b)]
+
+    def plan(
+        self,
+        reqs: dict[str, RequestState],
+        requests: dict[str, Request],
+        scheduled: Iterable[str],
+    ) -> MoveBatch | None:
+        """In-place compaction of the scheduled requests with a block's worth of
+        evictions since they were last planned (planner.py)."""
+        B = self.block_size
+        rids, indptr, cand = [], [0], []
+        for rid, rec in reqs.items():
+            req = requests.get(rid)
+            if rec.dead_since_plan < B or req is None or rid not in scheduled:
+                continue  # considered once it runs with a block's worth dead
+            if rec.move_batch is not None:
+                # Its last batch is still copying (GPU side stream): its slots
+                # switch when that completes, so plan on the settled state.
+                self.counters.deferred_plans += 1
+                continue
+            rec.dead_since_plan = 0
+            # Full blocks written before this step; the tail is being filled.
+            nfull = req.num_computed_tokens // B
+            cand.extend(
+                b.block_id
+                for b in self.positional(rid)[:nfull]
+                if not b.is_null and b.ref_cnt == 1
+            )
+            rids.append(rid)
+            indptr.append(len(cand))
+        if not cand:
+            return None
+        block_ids = np.asarray(cand, dtype=np.int32)
+        plan = plan_blocks(
+            req_indptr=np.asarray(indptr, dtype=np.int64),
+            block_ids=block_ids,
+            block_live=self.pool.block_live[block_ids],
+            block_size=B,
+            threshold=self.threshold,
+        )
+        if len(plan.req_index) == 0:
+            return None
+        return self._bind(plan, [reqs[rid] for rid in rids], rids)
+
+    def _bind(
+        self, plan: BlockPlan, recs: list[RequestState], rids: list[str]
+    ) -> MoveBatch | None:
+        """Turn a block plan into slot moves; free blocks that need none."""
+        B = self.block_size
+        by_id = self.block_pool.blocks
+        batch_id = self._next_batch_id
+        out_rids, indptr, idx, src, dst = [], [0], [], [], []
+        for k, r in enumerate(plan.req_index):
+            rid = rids[r]
+            src_ids = plan.src_block_ids[plan.src_indptr[k] : plan.src_indptr[k + 1]]
+            m = pack_request(
+                live_idx=self.pool.live_idx(rid),
+                live_slots=self.pool.live_slots(rid),
+                src_block_ids=src_ids,
+                dst_block_ids=plan.dst_block_ids[
+                    plan.dst_indptr[k] : plan.dst_indptr[k + 1]
+                ],
+                block_size=B,
+            )
+            src_blocks = [by_id[int(b)] for b in src_ids]
+            if m.idx.size == 0:  # every token already dead: free right away
+                self.release_blocks(rid, recs[r], src_blocks)
+                continue
+            dst_ids = np.unique(m.dst_slots // B)
+            # A destination's content changes: it must leave the prefix cache
+            # (sources keep theirs intact, so a later hit on them stays valid).
+            self.block_pool.evict_blocks(set(dst_ids.tolist()))
+            self._busy.update((int(b), batch_id) for b in src_ids)
+            self._busy.update((int(b), batch_id) for b in dst_ids)
+            rec = recs[r]
+            rec.move_batch, rec.move_src, rec.move_dst = batch_id, src_blocks, dst_ids
+            out_rids.append(rid)
+            idx.append(m.idx)
+            src.append(m.src_slots)
+            dst.append(m.dst_slots)
+            indptr.append(indptr[-1] + m.idx.size)
+        if not out_rids:
+            return None
+        batch = MoveBatch(
+            batch_id=batch_id,
+            req_ids=out_rids,
+            indptr=np.asarray(indptr, dtype=np.int64),
+            idx=np.concatenate(idx),
+            src_slots=np.concatenate(src),
+            dst_slots=np.concatenate(dst),
+        )
+        self._inflight[batch_id] = batch
+        self._next_batch_id += 1
+        return batch

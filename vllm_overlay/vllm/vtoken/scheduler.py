@@ -1,0 +1,276 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vToken's scheduler side: policies, dead-block freeing and compaction planning.
+
+`VTokenScheduler` is what the patched `Scheduler` calls. It owns the Token Tables
+and turns them into block-pool operations, using vLLM's own precedent for freeing
+a block in the middle of a request (sliding window's `remove_skipped_blocks`):
+
+    req_to_blocks[rid]  = [b7, b3, b9, b4, b12]      positional: token i is in [i // B]
+    after compaction    = [b7, null, null, b4, b12]  b3, b9 emptied and freed; their
+                                                     live tokens moved into holes
+                                                     of b7 and b4
+
+Compaction is in place (see planner.py): live tokens move into the request's own
+dead slots, so block tables stay positional and append-only for vLLM, and a
+plan never takes a block from the pool.
+
+Per step (all in the scheduler process, before the worker runs):
+  begin_step   policies evict over budget; blocks left with no live token are
+               freed at once (that alone is the paper's Naive-Evict);
+  end_step     the step's new tokens get their slots; in vtoken mode the planner
+               moves the live tokens of under-used blocks into holes;
+  on_output    the worker's acknowledgements: `apply_moves` switches each
+               completed batch's tokens to their new slots and frees the
+               emptied source blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm.vtoken import integrity
+from vllm.vtoken.eviction import EvictionRuntime
+from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
+from vllm.vtoken.policies import create_policy
+from vllm.vtoken.reclaimer import BlockReclaimer
+from vllm.vtoken.request_state import RequestState
+from vllm.vtoken.stats import VTokenCounters, VTokenStats
+from vllm.vtoken.token_table import TokenTablePool
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+    from vllm.vtoken.config import VTokenConfig
+
+
+class VTokenScheduler:
+    """Scheduler-side vToken state for one engine (one KV-cache group)."""
+
+    def __init__(
+        self,
+        cfg: VTokenConfig,
+        kv_cache_manager: KVCacheManager,
+        block_size: int,
+        requests: dict[str, Request],
+    ) -> None:
+        self.cfg = cfg
+        self._requests = requests  # the scheduler's own map, read only
+        self.block_size = block_size
+        self.block_pool = kv_cache_manager.block_pool
+        self.pool = TokenTablePool(self.block_pool.num_gpu_blocks, block_size)
+        policy = create_policy(
+            cfg.kv_eviction_policy, cfg.kv_budget_tokens, cfg.policy_knobs()
+        )
+        self._scores = None
+        self.runtime = EvictionRuntime(
+            self.pool,
+            policy,
+            cfg.kv_budget_tokens,
+            seed=cfg.seed,
+            score_source=self._read_scores if policy.score_mode else None,
+        )
+        self._reqs: dict[str, RequestState] = {}
+        self.counters = VTokenCounters()
+        self._last_counters = VTokenCounters()
+        self.reclaimer = BlockReclaimer(
+            self.pool, kv_cache_manager, cfg.kv_reclaim_threshold, self.counters
+        )
+
+    # ------------------------------------------------------------ step hooks
+    def begin_step(self, running: Iterable[Request]) -> None:
+        """Enforce budgets on running requests; free blocks left fully dead."""
+        for rid, rec in self._reqs.items():
+            if rec.recomputed_dead is not None:
+                if self.pool.num_slotted(rid) > 0:
+                    self.reclaimer.free_empty_blocks(rid, rec, rec.recomputed_dead)
+                rec.recomputed_dead = None
+        for req in running:
+            rid = req.request_id
+            rec = self._reqs.get(rid)
+            # Never evict during a (chunked) prefill, nor before the table knows
+            # the tokens (prefill done means every prompt token was attended).
+            if rec is None or req.num_computed_tokens < req.num_prompt_tokens:
+                continue
+            dead = self.runtime.enforce_budget(rid, req.num_computed_tokens)
+            if dead.size == 0:
+                continue
+            rec.dead.append(dead)
+            rec.dead_since_plan += dead.size
+            self.counters.evicted_tokens += int(dead.size)
+            self.reclaimer.free_empty_blocks(rid, rec, dead)
+
+    def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
+        """Slot this step's tokens, plan compaction, build the worker's message."""
+        for rid, n in so.num_scheduled_tokens.items():
+            self._sync_slots(rid, self._requests[rid].num_computed_tokens + n)
+        moves = None
+        if self.cfg.compaction and any(
+            r.dead_since_plan >= self.block_size for r in self._reqs.values()
+        ):
+            t0 = time.perf_counter_ns()
+            moves = self.reclaimer.plan(
+                self._reqs, self._requests, so.num_scheduled_tokens.keys()
+            )
+            self.counters.planner_ns += time.perf_counter_ns() - t0
+            self.counters.plan_calls += 1
+        dead = {}
+        for rid, rec in self._reqs.items():
+            if rec.dead:
+                dead[rid] = np.concatenate(rec.dead)
+                rec.dead = []
+        if not dead and moves is None:
+            return None
+        return VTokenStep(dead=dead, moves=moves)
+
+    def on_output(self, out: VTokenWorkerOutput | None) -> None:
+        """Take the worker's scores and apply its acknowledged move batches."""
+        if out is None:
+            return
+        if out.scores is not None:
+            self._scores = out.scores
+        self.counters.copy_bytes = out.copy_bytes
+        for batch_id in out.acked_batches:
+            self.apply_moves(batch_id)
+        if integrity.CHECK:
+            self.check_integrity()
+
+    def apply_moves(self, batch_id: int) -> None:
+        """The paper's `apply_moves`: the worker has copied batch `batch_id`.
+
+        Its tokens switch to their destination slots in the Token Tables and
+        the emptied source blocks go back to the pool. Requests that finished
+        or were preempted while it was copying dropped their part already.
+        """
+        batch = self.reclaimer.pop_batch(batch_id)
+        recs = [self._reqs.get(rid) for rid in batch.req_ids]
+        keep = [r is not None and r.move_batch == batch_id for r in recs]
+        self.pool.apply_moves(
+            batch.req_ids, batch.indptr, batch.idx, batch.dst_slots, keep=keep
+        )
+        num_moves = np.diff(batch.indptr)
+        for rid, rec, kept, n in zip(batch.req_ids, recs, keep, num_moves, strict=True):
+            if not kept:
+                continue
+            self.reclaimer.release_sources(rid, rec)
+            self.counters.moved_tokens += int(n)
+
+    def on_preempt(self, req: Request) -> None:
+        """Before vLLM frees a preempted request's blocks.
+
+        What goes: the slots (every block is freed next), the in-flight moves,
+        the freed-block count. What stays: the logical dead set (in the Token
+        Table; the resume skips those tokens), this step's dead list (the
+        worker's table must learn it too) and the count since the last plan.
+        """
+        rec = self._reqs.get(req.request_id)
+        if rec is None:
+            return
+        self.pool.reset_slots(req.request_id)
+        self.reclaimer.drop_moves(rec)
+        rec.nulls = 0
+
+    def on_free(self, req: Request) -> None:
+        """Before vLLM frees a finished or aborted request."""
+        rec = self._reqs.pop(req.request_id, None)
+        if rec is None:
+            return
+        self.runtime.release(req.request_id)
+        self.reclaimer.drop_moves(rec)
+
+    # ------------------------------------------------------------ internals
+    def _read_scores(self, slots: np.ndarray) -> np.ndarray:
+        if self._scores is None:  # no forward has run yet
+            return np.zeros(len(slots), dtype=np.float32)
+        return self._scores.scores(slots)
+
+    def _sync_slots(self, rid: str, upto: int) -> None:
+        """Give tokens [num_slotted, upto) their positional slots."""
+        rec = self._reqs.get(rid)
+        start = self.pool.num_slotted(rid) if rec is not None else 0
+        if upto <= start:
+            return
+        if rec is not None and start < self.pool.num_tokens(rid):
+            # Resumed after preemption: dead tokens get recomputed too.
+            dead = self.pool.dead_idx(rid)
+            dead = dead[(dead >= start) & (dead < upto)]
+            if dead.size:
+                rec.recomputed_dead = dead
+                rec.dead_since_plan += dead.size
+        B = self.block_size
+        first, last = start // B, (upto - 1) // B
+        ids = np.fromiter(
+            (b.block_id for b in self.reclaimer.positional(rid)[first : last + 1]),
+            dtype=np.int64,
+            count=last - first + 1,
+        )
+        pos = np.arange(start, upto, dtype=np.int64)
+        slots = ids[pos // B - first] * B + pos % B
+        key = None
+        if rec is None:
+            self._reqs[rid] = RequestState()
+            # Same prompt and seed, same random draws, whatever the request id.
+            key = np.asarray(self._requests[rid].prompt_token_ids, np.int64).tobytes()
+        self.runtime.sync_new_tokens(rid, slots, rng_key=key)
+
+    # ------------------------------------------------------------ metrics
+    def make_stats(self, running: Iterable[Request]) -> VTokenStats:
+        """Gauges over running requests, counters since the last call."""
+        B = self.block_size
+        held = written = live = 0
+        for req in running:
+            rec = self._reqs.get(req.request_id)
+            positional = self.reclaimer.req_to_blocks.get(req.request_id)
+            if not positional or rec is None:
+                continue
+            nulls = rec.nulls
+            held += len(positional) - nulls
+            # Compaction moves tokens into written slots only (holes), so the
+            # written slots are the positional ones minus the freed blocks.
+            written += min(req.num_computed_tokens, len(positional) * B) - nulls * B
+            live += self.pool.num_live(req.request_id)
+        delta = self.counters.minus(self._last_counters)
+        self._last_counters = self.counters.copy()
+        slots = held * B
+        return VTokenStats(
+            token_utilization=live / slots if slots else 0.0,
+            intra_block_waste=(written - live) / slots if slots else 0.0,
+            retained_blocks=held,
+            live_tokens=live,
+            evicted_tokens=delta.evicted_tokens,
+            reclaimed_blocks=delta.reclaimed_blocks,
+            moved_tokens=delta.moved_tokens,
+            deferred_plans=delta.deferred_plans,
+            copy_bytes=delta.copy_bytes,
+        )
+
+    # ------------------------------------------------------------ invariants
+    def check_integrity(self) -> None:
+        """docs/DESIGN.md §4, across the Token Tables and vLLM's block pool."""
+        ref = np.fromiter((b.ref_cnt for b in self.block_pool.blocks), dtype=np.int64)
+        self.pool.check_integrity(block_ref_cnt=ref)
+        B = self.block_size
+        holders = np.zeros_like(ref)
+        for rid, blocks in self.reclaimer.req_to_blocks.items():
+            ids = [b.block_id for b in blocks if not b.is_null]
+            np.add.at(holders, np.asarray(ids, dtype=np.int64), 1)
+            if rid in self.pool:
+                held = np.zeros(len(ref), dtype=bool)
+                held[ids] = True
+                live_blocks = self.pool.live_slots(rid) // B
+                assert held[live_blocks].all(), (
+                    f"request {rid}: a live token sits in a block it does not hold"
+                )
+        holders[0] = ref[0]  # the null block's ref_cnt is not maintained
+        assert (holders == ref).all(), (
+            "block ref counts differ from the holders: "
+            f"{np.flatnonzero(holders != ref)[:8].tolist()}"
+        )
+        free = self.block_pool.get_num_free_blocks()
+        assert free + int((ref[1:] > 0).sum()) == len(ref) - 1, (
+            f"free ({free}) + held != total ({len(ref) - 1})"
+        )

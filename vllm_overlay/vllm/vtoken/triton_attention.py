@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TRITON_ATTN attention that reads only live tokens, through the slot map (GPU).
+
+Worker side. vLLM's `unified_attention` runs unchanged over one-token pages:
+the cache `[N, 2, B, H, D]` viewed as rows `[N * 2 * B, 1, H, D]`, a row-id
+token table as its block table and the live lengths as `seqused_k`, so its
+causal mask works in live-index space. The table is built once per step by the
+worker (`build_triton_read_plan`) and shared by every layer.
+
+    slot (n, b)  ->  K row n * 2B + b,  V row the same + B
+
+Score policies (H2O, Scissorhands) recompute attention probabilities over the
+gathered live keys (`attention_mass`): the kernel returns none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from vllm.vtoken.context import TokenRead
+
+
+@dataclass(frozen=True)
+class TritonReadPlan:
+    """One step's read on TRITON_ATTN, shared by every layer."""
+
+    token_table: torch.Tensor  # [R, W] int32 row ids (build_token_table)
+    live_lens: torch.Tensor  # [R] int32
+    query_start_loc: torch.Tensor  # [R + 1] int32, on the device
+    max_query_len: int
+    max_live_len: int
+    block_size: int
+
+
+def build_triton_read_plan(
+    query_start_loc: np.ndarray,
+    kv_indptr: np.ndarray,
+    kv_slots: torch.Tensor,
+    block_size: int,
+) -> TritonReadPlan:
+    """See `TokenRead` for the arguments; tensors go to `kv_slots`'s device."""
+    lens = np.diff(kv_indptr)
+    qlens = np.diff(query_start_loc)
+    width = max(64, -(-int(lens.max()) // 64) * 64)
+    table, live_lens = build_token_table(kv_indptr, kv_slots, block_size, width)
+    qsl = torch.from_numpy(query_start_loc.astype(np.int32)).to(kv_slots.device)
+    return TritonReadPlan(
+        token_table=table,
+        live_lens=live_lens,
+        query_start_loc=qsl,
+        max_query_len=int(qlens.max()),
+        max_live_len=int(lens.max()),
+        block_size=block_size,
+    )
+
+
+def triton_forward(
+    read: TokenRead,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    scale: float,
+) -> None:
+    """TRITON_ATTN's forward with vToken on: the step's read over live tokens."""
+    plan = read.plan
+    num_tokens, num_heads, head_dim = query.shape
+    triton_token_attention(
+        query,
+        kv_cache,
+        output.view(num_tokens, num_heads, head_dim),
+        query_start_loc=plan.query_start_loc,
+        token_table=plan.token_table,
+        live_lens=plan.live_lens,
+        max_query_len=plan.max_query_len,
+        max_live_len=plan.max_live_len,
+        scale=scale,
+    )
+    if read.scores is None:
+        return
+    B = plan.block_size
+    for r in range(len(read.kv_indptr) - 1):
+        q0, q1 = read.query_start_loc[r], read.query_start_loc[r + 1]
+        if q1 == q0:
+            continue
+        slots = read.kv_slots[read.kv_indptr[r] : read.kv_indptr[r + 1]]
+        keys = kv_cache[slots // B, 0, slots % B]
+        read.scores.add(slots, attention_mass(query[q0:q1], keys, scale))
+
+
+def slots_to_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Maps slots to rows of the one-token-page view of a TRITON_ATTN cache.
+
+    With `[N, 2, B, H, D]` viewed as `[N * 2 * B, 1, H, D]`, K of slot
+    `(n, b)` is row `n * 2B + b` and V is the same row of the view shifted by
+    B rows.
+
+    Args:
+        slots: `[S]` int64.
+        block_size: B.
+
+    Returns:
+        `[S]` int64 row ids.
+    """
+    return (slots // block_size) * (2 * block_size) + slots % block_size
+
+
+def build_token_table(
+    kv_indptr: np.ndarray, kv_slots: torch.Tensor, block_size: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Builds the padded row-id token table that `triton_token_attention` reads.
+
+    `unified_attention` loads table entries without a mask up to the live
+    length rounded up to its tile (at most 32), so the width is a multiple of
+    64 and unused entries hold row 0 (a valid address, masked out).
+
+    Args:
+        kv_indptr: `[R + 1]` int, request r's entries in `kv_slots`.
+        kv_slots: `[S]` int64 live slots, logical order, queries last.
+        block_size: B.
+        width: W, a multiple of 64 that is at least the longest live list.
+
+    Returns:
+        `(token_table, live_lens)`: `[R, W]` int32 and `[R]` int32, on
+        `kv_slots`'s device.
+
+    """
+    indptr = np.asarray(kv_indptr, dtype=np.int64)
+    lens = np.diff(indptr)
+    assert width % 64 == 0 and (lens.size == 0 or lens.max() <= width), (
+        f"width {width} must be a multiple of 64 and >= the longest list"
+    )
+    assert indptr[-1] == kv_slots.numel(), "kv_indptr[-1] != len(kv_slots)"
+    dev = kv_slots.device
+    num_reqs = lens.size
+    req = torch.from_numpy(np.repeat(np.arange(num_reqs), lens)).to(dev)
+    col = torch.from_numpy(np.arange(indptr[-1]) - np.repeat(indptr[:-1], lens))
+    table = torch.zeros(num_reqs, width, dtype=torch.int32, device=dev)
+    table[req, col.to(dev)] = slots_to_rows(kv_slots, block_size).to(torch.int32)
+    live_lens = torch.from_numpy(lens.astype(np.int32)).to(dev)
+    return table, live_lens
+
+
+def triton_token_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    token_table: torch.Tensor,
+    live_lens: torch.Tensor,
+    max_query_len: int,
+    max_live_len: int,
+    scale: float,
+) -> None:
+    """Causal attention over live tokens of a TRITON_ATTN cache (GPU).
+
+    Runs vLLM's `unified_attention` on one-token pages: the cache viewed as
+    `[N * 2 * B, 1, H, D]`, K pages from row 0 and V pages from row B, with the
+    token table as its block table and the live lengths as `seqused_k`. Its
+    causal mask works in live-index space, as required. Attention scores are
+    not produced on this path.
+
+    Args:
+        query: `[T, Hq, D]`.
+        kv_cache: `[N, 2, B, H, D]`, contiguous.
+        output: `[T, Hq, D]`, written in place.
+        query_start_loc: `[R + 1]` int32 on the device.
+        token_table: `[R, W]` int32 row ids from `build_token_table`.
+        live_lens: `[R]` int32, live keys per request (queries included).
+        max_query_len: longest query run.
+        max_live_len: longest live list.
+        scale: softmax scale.
+
+    """
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    num_blocks, _, block, heads, head_dim = kv_cache.shape
+    assert kv_cache.is_contiguous(), "triton_token_attention needs a contiguous cache"
+    assert num_blocks * 2 * block < 2**31, "row ids of this cache overflow int32"
+    rows = kv_cache.view(num_blocks * 2 * block, 1, heads, head_dim)
+    unified_attention(
+        q=query,
+        k=rows,
+        v=rows[block:],
+        out=output,
+        cu_seqlens_q=query_start_loc,
+        max_seqlen_q=max_query_len,
+        seqused_k=live_lens,
+        max_seqlen_k=max_live_len,
+        softmax_scale=scale,
+        causal=True,
+        window_size=(-1, -1),
+        block_table=token_table,
+        softcap=0,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+    )
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention probability mass per key, over already-gathered keys.
+
+    The GPU score path: `unified_attention` returns no probabilities, so H2O
+    and Scissorhands recompute them here (materializes [Hq, Lq, Lk] fp32).
+
+    softmax(q k^T * scale) with a bottom-right causal mask (query i of Lq sits
+    at position Lk - Lq + i), summed over query heads and query rows. GQA: query
+    head h reads KV head h // (Hq // Hkv).
+
+    Args:
+        q: [Lq, Hq, D] queries.
+        k: [Lk, Hkv, D] keys; Hq must be a multiple of Hkv.
+        scale: Softmax scale, usually D ** -0.5.
+
+    Returns:
+        float32 [Lk]; sums to Hq * Lq.
+
+    """
+    lq, hq, d = q.shape
+    lk, hkv, dk = k.shape
+    assert dk == d and hq % hkv == 0 and lq <= lk, (tuple(q.shape), tuple(k.shape))
+    kx = k.float().repeat_interleave(hq // hkv, dim=1)  # [Lk, Hq, D]
+    logits = torch.einsum("qhd,khd->hqk", q.float(), kx) * scale  # [Hq, Lq, Lk]
+    pos_q = torch.arange(lq, device=q.device) + (lk - lq)
+    mask = torch.arange(lk, device=q.device)[None, :] > pos_q[:, None]  # [Lq, Lk]
+    probs = torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
+    return probs.sum(dim=(0, 1))
