@@ -162,6 +162,21 @@ def test_preemption_keeps_dead_set_and_frees_everything():
     assert np.count_nonzero(vt.pool.block_live) == 4  # every block has a live token
 
 
+def test_evictions_of_a_request_preempted_in_the_same_step_reach_the_worker():
+    """begin_step evicts, then schedule() preempts the same request: the worker
+    must still hear of the evictions, or its Token Table keeps those tokens live
+    and reads them after the resume, from blocks the scheduler freed."""
+    kv, vt, req = setup("naive")
+    step(kv, vt, req, 12, running=[])
+    vt.begin_step([req])  # 12 live > budget 6: tokens 1..6 die
+    vt.on_preempt(req)
+    kv.free(req)
+    req.num_computed_tokens = 0
+    out = vt.end_step(SimpleNamespace(num_scheduled_tokens={}))
+    assert out is not None and out.dead["A"].tolist() == [1, 2, 3, 4, 5, 6]
+    vt.check_integrity()
+
+
 def test_compaction_destinations_leave_the_prefix_cache():
     """A hole filled by a move changes the block's content: its hash must go;
     the emptied source keeps its KV intact, so it stays a valid cache entry."""
