@@ -44,10 +44,14 @@ def test_policy_sets_up_and_turns_async_scheduling_off():
     assert cfg.scheduler_config.async_scheduling is False
 
 
+def test_a_policy_without_a_budget_evicts_only_requests_that_ask():
+    cfg = make_config(kv_eviction_policy="h2o").vtoken_config
+    assert cfg.enabled and cfg.kv_budget_tokens is None
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"kv_eviction_policy": "h2o"}, "needs --kv-budget-tokens"),
         ({"kv_eviction_policy": "lru", "kv_budget_tokens": 8}, "kv_eviction_policy"),
         ({"kv_eviction_policy": "h2o", "kv_budget_tokens": 0}, "kv_budget_tokens"),
         (

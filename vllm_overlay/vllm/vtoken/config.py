@@ -36,9 +36,10 @@ class VTokenConfig:
     tokens by persistence of importance; random: uniform, seeded."""
 
     kv_budget_tokens: int | None = Field(default=None, gt=0)
-    """Live tokens kept per request once eviction starts (required with a
-    policy). Prompts longer than this are prefilled in full, then evicted down
-    to it."""
+    """Live tokens kept per request once eviction starts. Prompts longer than
+    this are prefilled in full, then evicted down to it. Requests may override
+    it (extra_args / vllm_xargs "kv_budget_tokens"); without it, only requests
+    that ask for a budget are evicted."""
 
     kv_eviction_config: dict[str, Any] = Field(default_factory=dict)
     """Policy knobs as JSON, e.g. '{"num_sinks": 4}' for streamingllm,
@@ -70,19 +71,20 @@ class VTokenConfig:
     def _validate(self) -> "VTokenConfig":
         if not self.enabled:
             return self
-        if self.kv_budget_tokens is None:
-            raise ValueError(
-                f"--kv-eviction-policy {self.kv_eviction_policy} needs "
-                "--kv-budget-tokens N (live tokens kept per request)"
-            )
         # Build the policy once so that bad knobs fail at start-up, not mid-run.
         from vllm.vtoken.policies import create_policy
 
         create_policy(
             self.kv_eviction_policy,
-            self.kv_budget_tokens,
+            self.kv_budget_tokens or 1,
             self.policy_knobs(),
         )
+        if self.kv_budget_tokens is None:
+            logger.info(
+                "vToken: --kv-eviction-policy %s without --kv-budget-tokens: only "
+                "requests that set kv_budget_tokens are evicted.",
+                self.kv_eviction_policy,
+            )
         return self
 
     def verify_and_update_config(self, vllm_config: "VllmConfig") -> None:

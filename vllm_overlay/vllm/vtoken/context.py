@@ -30,6 +30,12 @@ class TokenRead:
     keys are kv_slots[kv_indptr[r]:kv_indptr[r + 1]], in logical order with the
     step's query tokens last (they are live and newest). `plan` holds the same
     read as the index tensors of the device's attention path.
+
+    A request with no keys (kv_indptr[r] == kv_indptr[r + 1]) is not on the
+    token read: it has no dead token and needs no scores, so vLLM's own kernel
+    reads it. `with_stock` says some request is such: the backend then runs its
+    own kernel for the batch first, and the token read overwrites the rows of
+    the requests it covers (CPU only; on GPU every request is on the read).
     """
 
     query_start_loc: np.ndarray  # int64 [num_reqs + 1]
@@ -37,6 +43,7 @@ class TokenRead:
     kv_slots: torch.Tensor  # int64 [total live], on the KV cache's device
     plan: CpuReadPlan | TritonReadPlan
     scores: ScoreAccumulator | None  # accumulate attention mass (H2O, ...)
+    with_stock: bool = False
 
 
 _current: TokenRead | None = None

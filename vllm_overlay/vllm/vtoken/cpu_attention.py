@@ -109,8 +109,12 @@ def build_cpu_read_plan(
         "query_start_loc, kv_indptr and kv_slots disagree"
     )
     num_q, num_k = np.diff(q_loc), np.diff(kv_loc)
-    assert (num_k >= num_q).all(), "a request has fewer live slots than queries"
-    decode, others = np.flatnonzero(num_q == 1), np.flatnonzero(num_q > 1)
+    read = num_k > 0  # requests without keys are read by vLLM's kernel
+    assert (num_k[read] >= num_q[read]).all(), (
+        "a request has fewer live slots than queries"
+    )
+    decode = np.flatnonzero(read & (num_q == 1))
+    others = np.flatnonzero(read & (num_q > 1))
     lens = num_k[decode]
     pos = np.arange(int(lens.max()) if lens.size else 0)
     valid = pos[None, :] < lens[:, None]

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm.vtoken.policies import create_policy
 from vllm.vtoken.policies.base import EvictionPolicy, RequestView
 from vllm.vtoken.token_table import TokenTablePool
+
+if TYPE_CHECKING:
+    from vllm.vtoken.request_args import RequestEviction
 
 
 def request_rng(seed: int, key: bytes) -> np.random.Generator:
@@ -27,46 +33,60 @@ def request_rng(seed: int, key: bytes) -> np.random.Generator:
     return np.random.default_rng([int(seed), *digest.tolist()])
 
 
+@dataclass(slots=True)
+class _Evicting:
+    """How one request is evicted: its policy (None: never), budget, generator."""
+
+    policy: EvictionPolicy | None
+    budget: int
+    rng: np.random.Generator
+
+
 class EvictionRuntime:
-    """Keeps each request's live tokens within the budget through a policy."""
+    """Keeps each request's live tokens within its budget through its policy.
+
+    The engine's policy and budget are the defaults; a request may bring its
+    own (request_args.py) or opt out. Policy objects are shared by the requests
+    with the same (name, budget); per-request policy state is keyed by id.
+    """
 
     def __init__(
         self,
         pool: TokenTablePool,
         policy: EvictionPolicy,
-        budget: int,
+        budget: int | None,
         seed: int = 0,
         score_source: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
-        """Binds a pool and a policy.
+        """Binds a pool and the engine's default policy.
 
         Args:
             pool: The Token Tables.
-            policy: Decides victims; called only from here.
-            budget: Live tokens kept per request (> 0).
+            policy: The engine's policy; decides victims, called only from here.
+            budget: The engine's budget (live tokens kept per request), or None:
+                only requests that bring a budget are evicted.
             seed: Seed of the per-request generators.
             score_source: int64 slots [n] -> float32 scores [n]; required (by
-                the time a request exceeds its budget) when the policy has a
+                the time a request exceeds its budget) when a policy has a
                 `score_mode`.
-
-        Raises:
-            ValueError: If budget is not positive.
         """
-        if budget <= 0:
-            raise ValueError(f"budget must be > 0, got {budget}")
+        assert budget is None or budget > 0, budget
         self.pool = pool
         self.policy = policy
-        self.budget = int(budget)
+        self.budget = budget
         self.seed = int(seed)
         self.score_source = score_source
-        self._rngs: dict[str, np.random.Generator] = {}
-        # Building a view costs O(tokens); skip it for the default no-op hook.
-        self._policy_syncs = (
-            type(policy).sync_new_tokens is not EvictionPolicy.sync_new_tokens
-        )
+        self._policies: dict[tuple[str, int], EvictionPolicy] = {}
+        if budget is not None:
+            self._policies[(policy.name, budget)] = policy
+        self._reqs: dict[str, _Evicting] = {}
 
     def sync_new_tokens(
-        self, req_id: str, slots: np.ndarray, rng_key: bytes | None = None
+        self,
+        req_id: str,
+        slots: np.ndarray,
+        rng_key: bytes | None = None,
+        evict: RequestEviction | None = None,
     ) -> None:
         """Slots the next tokens of a request and tells the policy about new ones.
 
@@ -81,20 +101,24 @@ class EvictionRuntime:
             rng_key: Seeds the request's generator on its first call instead of
                 its id (engine request ids carry a random suffix; a key derived
                 from the prompt makes runs reproducible).
+            evict: The request's own policy and budget (first call); default:
+                the engine's.
         """
         if req_id not in self.pool:
             self.pool.add_request(req_id)
             key = req_id.encode() if rng_key is None else rng_key
-            self._rngs[req_id] = request_rng(self.seed, key)
+            self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
         before = self.pool.num_tokens(req_id)
         self.pool.append(req_id, slots)
         num_new = self.pool.num_tokens(req_id) - before
-        if num_new > 0 and self._policy_syncs:
-            view = self._view(req_id, before, with_scores=False)
-            self.policy.sync_new_tokens(view, num_new)
+        policy = self._reqs[req_id].policy
+        # Building a view costs O(tokens); skip it for the default no-op hook.
+        if num_new > 0 and policy is not None and _syncs(policy):
+            view = self._view(req_id, before, scores=None)
+            policy.sync_new_tokens(view, num_new)
 
     def enforce_budget(self, req_id: str, num_attended: int) -> np.ndarray:
-        """Evicts down to the budget if the request holds more live tokens.
+        """Evicts down to the request's budget if it holds more live tokens.
 
         Args:
             req_id: A synced request.
@@ -105,48 +129,72 @@ class EvictionRuntime:
             int64 sorted logical indices that died now (empty if none).
 
         Raises:
-            KeyError: Unknown request.
             RuntimeError: The policy broke its contract, or it needs scores and
                 no score source is set.
         """
-        excess = self.pool.num_live(req_id) - self.budget
-        if excess <= 0:
+        r = self._reqs[req_id]
+        excess = self.pool.num_live(req_id) - r.budget
+        if r.policy is None or excess <= 0:
             return np.zeros(0, dtype=np.int64)
-        view = self._view(req_id, num_attended, with_scores=True)
-        chosen = np.asarray(self.policy.evict_token(view, excess), dtype=np.int64)
-        self._check_answer(view, chosen, excess)
+        view = self._view(req_id, num_attended, scores=self._scores(r.policy, req_id))
+        chosen = np.asarray(r.policy.evict_token(view, excess), dtype=np.int64)
+        self._check_answer(r.policy, view, chosen, excess)
         return self.pool.evict(req_id, chosen)
 
     def release(self, req_id: str) -> None:
-        """Forgets a finished or aborted request (pool, generator, policy state).
-
-        Raises:
-            KeyError: Unknown request.
-        """
+        """Forgets a finished or aborted request (pool, generator, policy state)."""
         self.pool.release(req_id)
-        self._rngs.pop(req_id, None)
-        self.policy.release(req_id)
+        r = self._reqs.pop(req_id)
+        if r.policy is not None:
+            r.policy.release(req_id)
 
-    def _view(self, req_id: str, num_attended: int, with_scores: bool) -> RequestView:
+    def _register(
+        self, evict: RequestEviction | None, rng: np.random.Generator
+    ) -> _Evicting:
+        if evict is None:
+            name, budget = self.policy.name, self.budget
+        elif evict.evicts:
+            name, budget = evict.policy, evict.budget
+        else:
+            name, budget = None, None
+        if name is None or budget is None:
+            return _Evicting(None, 0, rng)
+        policy = self._policies.get((name, budget))
+        if policy is None:
+            # The engine's knobs configure the engine's policy; another policy a
+            # request picks runs with its defaults.
+            knobs = self.policy.knobs if name == self.policy.name else None
+            policy = create_policy(name, budget, knobs)
+            self._policies[(name, budget)] = policy
+        return _Evicting(policy, budget, rng)
+
+    def _scores(self, policy: EvictionPolicy, req_id: str) -> np.ndarray | None:
+        if policy.score_mode is None:
+            return None
+        if self.score_source is None:
+            raise RuntimeError(
+                f"policy {policy.name} needs {policy.score_mode!r} "
+                "scores but the runtime has no score source"
+            )
+        slots = self.pool.live_slots(req_id)
+        return np.asarray(self.score_source(slots), dtype=np.float32)
+
+    def _view(
+        self, req_id: str, num_attended: int, scores: np.ndarray | None
+    ) -> RequestView:
         live_idx = self.pool.live_idx(req_id)
-        scores = None
-        if with_scores and self.policy.score_mode is not None:
-            if self.score_source is None:
-                raise RuntimeError(
-                    f"policy {self.policy.name} needs {self.policy.score_mode!r} "
-                    "scores but the runtime has no score source"
-                )
-            slots = self.pool.live_slots(req_id)
-            scores = np.asarray(self.score_source(slots), dtype=np.float32)
         return RequestView(
             req_id=req_id,
             live_idx=live_idx,
             evictable=live_idx < num_attended - 1,
             scores=scores,
-            rng=self._rngs[req_id],
+            rng=self._reqs[req_id].rng,
         )
 
-    def _check_answer(self, view: RequestView, chosen: np.ndarray, want: int) -> None:
+    @staticmethod
+    def _check_answer(
+        policy: EvictionPolicy, view: RequestView, chosen: np.ndarray, want: int
+    ) -> None:
         expected = min(want, int(np.count_nonzero(view.evictable)))
         ok = (
             chosen.ndim == 1
@@ -156,6 +204,10 @@ class EvictionRuntime:
         )
         if not ok:
             raise RuntimeError(
-                f"policy {self.policy.name} broke its contract on {view.req_id!r}: "
+                f"policy {policy.name} broke its contract on {view.req_id!r}: "
                 f"wanted {expected} distinct evictable tokens, got {chosen[:16]}"
             )
+
+
+def _syncs(policy: EvictionPolicy) -> bool:
+    return type(policy).sync_new_tokens is not EvictionPolicy.sync_new_tokens

@@ -37,6 +37,7 @@ from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.reclaimer import BlockReclaimer
+from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.request_state import RequestState
 from vllm.vtoken.stats import VTokenCounters, VTokenStats
 from vllm.vtoken.token_table import TokenTablePool
@@ -63,8 +64,13 @@ class VTokenScheduler:
         self.block_size = block_size
         self.block_pool = kv_cache_manager.block_pool
         self.pool = TokenTablePool(self.block_pool.num_gpu_blocks, block_size)
+        self._max_model_len = kv_cache_manager.max_model_len
+        # The engine's policy sets the scores the worker computes; its budget
+        # (None: evict only requests that ask, request_args.py) is the default.
         policy = create_policy(
-            cfg.kv_eviction_policy, cfg.kv_budget_tokens, cfg.policy_knobs()
+            cfg.kv_eviction_policy,
+            cfg.kv_budget_tokens or block_size,
+            cfg.policy_knobs(),
         )
         self._scores = None
         self.runtime = EvictionRuntime(
@@ -210,12 +216,19 @@ class VTokenScheduler:
         )
         pos = np.arange(start, upto, dtype=np.int64)
         slots = ids[pos // B - first] * B + pos % B
-        key = None
+        key = evict = None
         if rec is None:
             self._reqs[rid] = RequestState()
+            req = self._requests[rid]
             # Same prompt and seed, same random draws, whatever the request id.
-            key = np.asarray(self._requests[rid].prompt_token_ids, np.int64).tobytes()
-        self.runtime.sync_new_tokens(rid, slots, rng_key=key)
+            key = np.asarray(req.prompt_token_ids, np.int64).tobytes()
+            evict = request_eviction(
+                req.sampling_params.extra_args if req.sampling_params else None,
+                self.cfg,
+                block_size=B,
+                max_model_len=self._max_model_len,
+            )
+        self.runtime.sync_new_tokens(rid, slots, rng_key=key, evict=evict)
 
     # ------------------------------------------------------------ metrics
     def make_stats(self, running: Iterable[Request]) -> VTokenStats:

@@ -67,6 +67,7 @@ def triton_forward(
     scale: float,
 ) -> None:
     """TRITON_ATTN's forward with vToken on: the step's read over live tokens."""
+    assert not read.with_stock, "on GPU the token read covers the whole step"
     plan = read.plan
     num_tokens, num_heads, head_dim = query.shape
     triton_token_attention(

@@ -32,6 +32,7 @@ from vllm.vtoken.copy_executor import KVCopyExecutor
 from vllm.vtoken.cpu_attention import build_cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
 from vllm.vtoken.policies import POLICIES
+from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.token_table import TokenTablePool
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 class VTokenWorker:
     def __init__(self, vllm_config: VllmConfig, kv_caches: list[torch.Tensor]) -> None:
-        cfg = vllm_config.vtoken_config
+        self.cfg = cfg = vllm_config.vtoken_config
         self.block_size = B = vllm_config.cache_config.block_size
         device = kv_caches[0].device
         num_blocks = kv_caches[0].shape[1 if device.type == "cpu" else 0]
@@ -57,6 +58,7 @@ class VTokenWorker:
         self._num_kv_heads = kv_caches[0].shape[2] if layout == "cpu" else 0
         self.executor = KVCopyExecutor(kv_caches, layout, B, scores=self.scores)
         model = vllm_config.model_config
+        self._max_model_len = model.max_model_len
         parallel = vllm_config.parallel_config
         # Scores are summed over layers and query heads; normalise to a mean.
         self._score_norm = float(
@@ -67,6 +69,10 @@ class VTokenWorker:
         self._acked_bytes = 0
         self._read: TokenRead | None = None
         self._device = device
+        # Requests whose policy reads attention scores: they always take the
+        # token read (vLLM's kernels return no probabilities). The others read
+        # through vLLM's own kernel until they have a dead token.
+        self._scored: dict[str, bool] = {}
 
     def begin_step(self, so: SchedulerOutput) -> None:
         pool = self.pool
@@ -78,6 +84,7 @@ class VTokenWorker:
         for rid in so.finished_req_ids:
             if rid in pool:
                 pool.release(rid)
+                del self._scored[rid]
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             if rid in pool:
                 pool.reset_slots(rid)
@@ -105,18 +112,33 @@ class VTokenWorker:
         requests: dict[str, CachedRequestState],
         num_scheduled: np.ndarray,
     ) -> None:
-        """Slot the step's tokens and publish the live slots for attention."""
+        """Slot the step's tokens and publish the live slots for attention.
+
+        Only requests with a dead token, or whose policy reads scores, take the
+        token read; with none, attention is vLLM's own. On CPU the two mix in a
+        step (vLLM's kernel runs for the batch, then the token read overwrites
+        its requests' rows); on GPU one request on the token read puts the whole
+        step on it.
+        """
         B = self.block_size
         num_reqs = input_batch.num_reqs
+        rids = input_batch.req_ids[:num_reqs]
         slot_mapping = input_batch.block_table[0].slot_mapping.np
         computed = input_batch.num_computed_tokens_cpu[:num_reqs]
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled[:num_reqs], out=qsl[1:])
-        kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
-        kv = []
-        for i, rid in enumerate(input_batch.req_ids[:num_reqs]):
+        for rid in rids:
             if rid not in self.pool:
                 self.pool.add_request(rid)
+                self._scored[rid] = self._reads_scores(requests[rid])
+        reads = np.fromiter(
+            (self._scored[r] or self._has_dead(r) for r in rids), bool, num_reqs
+        )
+        if reads.any() and self._device.type != "cpu":
+            reads[:] = True  # TODO(vtoken): mix with vLLM's kernel on GPU too
+        kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
+        kv = [np.zeros(0, dtype=np.int64)]
+        for i, rid in enumerate(rids):
             start = self.pool.num_slotted(rid)
             nc = int(computed[i])
             new = slot_mapping[qsl[i] : qsl[i + 1]].astype(np.int64)
@@ -127,6 +149,9 @@ class VTokenWorker:
             self.pool.append(rid, new)
             if self.scores is not None:
                 self.scores.reset(torch.from_numpy(new).to(self._device))
+            kv_indptr[i + 1] = kv_indptr[i]
+            if not reads[i]:
+                continue  # no keys: vLLM's kernel reads its positional KV
             # Keys: live tokens before the step, then every query token. A
             # query token may be dead when a preempted request recomputes its
             # KV; it is attended this once and stays dead afterwards.
@@ -134,7 +159,9 @@ class VTokenWorker:
             before = self.pool.live_slots(rid)[live_idx < nc]
             slots = np.concatenate([before, self.pool.slots(rid)[nc:]])
             kv.append(slots)
-            kv_indptr[i + 1] = kv_indptr[i] + slots.size
+            kv_indptr[i + 1] += slots.size
+        if not reads.any():
+            return  # nobody reads through the token table this step
         kv_slots = torch.from_numpy(np.concatenate(kv)).to(self._device)
         if self._device.type == "cpu":
             plan = build_cpu_read_plan(qsl, kv_indptr, kv_slots, B, self._num_kv_heads)
@@ -148,8 +175,22 @@ class VTokenWorker:
             kv_slots=kv_slots,
             plan=plan,
             scores=self.scores,
+            with_stock=not reads.all(),
         )
         set_token_read(self._read)
+
+    def _reads_scores(self, req: CachedRequestState) -> bool:
+        params = req.sampling_params
+        evict = request_eviction(
+            params.extra_args if params is not None else None,
+            self.cfg,
+            block_size=self.block_size,
+            max_model_len=self._max_model_len,
+        )
+        return self.scores is not None and evict.score_mode is not None
+
+    def _has_dead(self, rid: str) -> bool:
+        return self.pool.num_live(rid) < self.pool.num_tokens(rid)
 
     def end_step(self) -> VTokenWorkerOutput:
         read, self._read = self._read, None
@@ -157,6 +198,8 @@ class VTokenWorker:
         if read is not None and self.scores is not None:
             for r in range(len(read.kv_indptr) - 1):
                 lo, hi = read.kv_indptr[r], read.kv_indptr[r + 1]
+                if lo == hi:
+                    continue  # read by vLLM's kernel: no scores this step
                 nq = int(read.query_start_loc[r + 1] - read.query_start_loc[r])
                 self.scores.finish_step(read.kv_slots[lo:hi], nq, self._score_norm)
         self.apply_moves()

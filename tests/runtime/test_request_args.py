@@ -1,0 +1,84 @@
+"""Per-request eviction settings (`extra_args` / `vllm_xargs`) against the flags."""
+
+import numpy as np
+import pytest
+
+from vllm.vtoken.eviction import EvictionRuntime
+from vllm.vtoken.policies import create_policy
+from vllm.vtoken.request_args import RequestEviction, request_eviction
+from vllm.vtoken.token_table import TokenTablePool
+
+B, MAX_LEN = 16, 2048
+
+
+class Cfg:
+    """The VTokenConfig fields request_eviction reads (no vLLM config import)."""
+
+    def __init__(self, policy="h2o", budget=256):
+        self.kv_eviction_policy, self.kv_budget_tokens = policy, budget
+        self.enabled = policy != "none"
+
+
+def parse(args, cfg=None):
+    return request_eviction(args, cfg or Cfg(), block_size=B, max_model_len=MAX_LEN)
+
+
+def test_engine_flags_are_the_defaults():
+    assert parse(None) == RequestEviction("h2o", 256)
+    assert parse({"top_k_logits": 3}) == RequestEviction("h2o", 256)  # not ours
+    assert parse({"kv_transfer_params": {}}) == RequestEviction("h2o", 256)
+    assert parse(None, Cfg(budget=None)) == RequestEviction("none", None)
+    assert not parse(None, Cfg("none", None)).evicts
+
+
+def test_a_request_brings_its_own_budget_policy_or_opt_out():
+    assert parse({"kv_budget_tokens": 64}) == RequestEviction("h2o", 64)
+    assert parse({"kv_budget_tokens": 64}, Cfg(budget=None)).budget == 64
+    got = parse({"kv_eviction_policy": "streamingllm"})
+    assert got == RequestEviction("streamingllm", 256) and got.score_mode is None
+    for opt_out in ({"kv_budget_tokens": "none"}, {"kv_eviction_policy": "none"}):
+        assert parse(opt_out) == RequestEviction("none", None)
+        assert parse(opt_out, Cfg("none", None)) == RequestEviction("none", None)
+    assert parse({"kv_budget_tokens": B}).budget == B
+    assert parse({"kv_budget_tokens": MAX_LEN}).budget == MAX_LEN
+
+
+@pytest.mark.parametrize(
+    "args, cfg, message",
+    [
+        ({"kv_budget": 64}, None, "unknown vToken request key"),
+        ({"kv_budget_tokens": 64}, Cfg("none", None), "needs a server started"),
+        ({"kv_budget_tokens": B - 1}, None, r"must be in \[16, 2048\]"),
+        ({"kv_budget_tokens": MAX_LEN + 1}, None, r"must be in \[16, 2048\]"),
+        ({"kv_budget_tokens": "64"}, None, "must be an integer"),
+        ({"kv_budget_tokens": 64.0}, None, "must be an integer"),
+        ({"kv_budget_tokens": True}, None, "must be an integer"),
+        ({"kv_eviction_policy": "lru"}, None, "must be one of"),
+        ({"kv_eviction_policy": "scissorhands"}, None, "'persistence' attention"),
+        ({"kv_eviction_policy": "h2o"}, Cfg("random", 64), "'sum' attention"),
+        ({"kv_eviction_policy": "random"}, Cfg(budget=None), "needs kv_budget"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_rule(args, cfg, message):
+    with pytest.raises(ValueError, match=message):
+        parse(args, cfg)
+
+
+def test_runtime_keeps_each_request_within_its_own_budget():
+    pool = TokenTablePool(64, B)
+    rt = EvictionRuntime(pool, create_policy("streamingllm", 8), 8)
+    rt.sync_new_tokens("default", np.arange(0, 40))
+    rt.sync_new_tokens("small", np.arange(40, 80), evict=RequestEviction("random", 4))
+    rt.sync_new_tokens("out", np.arange(80, 120), evict=RequestEviction("none", None))
+    for rid, budget in (("default", 8), ("small", 4), ("out", 40)):
+        rt.enforce_budget(rid, 40)
+        assert pool.num_live(rid) == budget, rid
+    # Policy objects are shared per (name, budget); the engine's is the default.
+    rt.sync_new_tokens(
+        "small2", np.arange(120, 130), evict=RequestEviction("random", 4)
+    )
+    assert rt._reqs["small"].policy is rt._reqs["small2"].policy
+    assert rt._reqs["default"].policy is rt.policy
+    for rid in ("default", "small", "out", "small2"):
+        rt.release(rid)
+    assert pool.block_live.sum() == 0

@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-request eviction settings, from `SamplingParams.extra_args`.
+
+The OpenAI server fills `extra_args` from a request's `vllm_xargs`; `LLM` users
+pass `SamplingParams(extra_args=...)`. `extra_args` is shared with logits
+processors and other extensions, so vToken reads only its own keys, named as
+the engine flags they override:
+
+    kv_budget_tokens     int in [block_size, max_model_len], or "none"
+    kv_eviction_policy   a policy this engine can serve, or "none"
+
+"none" (either key) opts the request out: nothing of it is evicted, and its
+attention takes vLLM's own kernel. Any other `kv_` key is refused (a typo must
+not silently serve without eviction), except vLLM's own `kv_transfer_params`.
+The engine flags are the defaults; an engine started with a policy and no
+`--kv-budget-tokens` evicts only for requests that ask for a budget.
+
+Checked by the front end (patch 0090) before the request is scheduled, so a bad
+value is the client's error (HTTP 400), and read again by the scheduler and the
+worker when the request arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.vtoken.policies import POLICIES
+
+if TYPE_CHECKING:
+    from vllm.vtoken.config import VTokenConfig
+
+BUDGET_KEY = "kv_budget_tokens"
+POLICY_KEY = "kv_eviction_policy"
+KEYS = (BUDGET_KEY, POLICY_KEY)
+NOT_OURS = frozenset({"kv_transfer_params"})  # vLLM's KV connectors
+OPT_OUT = "none"
+
+
+@dataclass(frozen=True)
+class RequestEviction:
+    """What one request gets: a policy and a budget, or no eviction."""
+
+    policy: str  # "none": no eviction
+    budget: int | None
+
+    @property
+    def evicts(self) -> bool:
+        return self.policy != OPT_OUT
+
+    @property
+    def score_mode(self) -> str | None:
+        """The attention scores this request's policy reads, if any."""
+        return POLICIES[self.policy].score_mode if self.evicts else None
+
+
+def request_eviction(
+    extra_args: dict[str, Any] | None,
+    cfg: VTokenConfig,
+    *,
+    block_size: int,
+    max_model_len: int,
+) -> RequestEviction:
+    """The request's eviction settings: its own keys over the engine's flags.
+
+    Raises:
+        ValueError: Naming the key and the rule it breaks.
+    """
+    args = {
+        k: v
+        for k, v in (extra_args or {}).items()
+        if k.startswith("kv_") and k not in NOT_OURS
+    }
+    engine = RequestEviction(
+        cfg.kv_eviction_policy if cfg.kv_budget_tokens is not None else OPT_OUT,
+        cfg.kv_budget_tokens,
+    )
+    if not args:
+        return engine
+    unknown = sorted(set(args) - set(KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown vToken request key(s) {unknown} in vllm_xargs/extra_args; "
+            f"valid: {list(KEYS)}"
+        )
+    if not cfg.enabled:
+        if all(v == OPT_OUT for v in args.values()):
+            return engine  # opting out of what this server never does
+        raise ValueError(
+            f"{', '.join(sorted(args))}: per-request eviction needs a server "
+            "started with --kv-eviction-policy"
+        )
+    policy = args.get(POLICY_KEY, cfg.kv_eviction_policy)
+    _check_policy(policy, cfg)
+    budget = args.get(BUDGET_KEY, cfg.kv_budget_tokens)
+    if policy == OPT_OUT or budget == OPT_OUT:
+        return RequestEviction(OPT_OUT, None)
+    if budget is None:
+        raise ValueError(
+            f"{POLICY_KEY}={policy!r} needs {BUDGET_KEY}: this server has no "
+            "default budget (--kv-budget-tokens)"
+        )
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(
+            f"{BUDGET_KEY} must be an integer or {OPT_OUT!r}, got {budget!r}"
+        )
+    if not block_size <= budget <= max_model_len:
+        raise ValueError(
+            f"{BUDGET_KEY}={budget} must be in [{block_size}, {max_model_len}] "
+            "(one KV block to max_model_len)"
+        )
+    return RequestEviction(policy, budget)
+
+
+def _check_policy(policy: Any, cfg: VTokenConfig) -> None:
+    if policy == OPT_OUT:
+        return
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(
+            f"{POLICY_KEY} must be one of {[OPT_OUT, *sorted(POLICIES)]}, "
+            f"got {policy!r}"
+        )
+    need = POLICIES[policy].score_mode
+    have = POLICIES[cfg.kv_eviction_policy].score_mode
+    if need is not None and need != have:
+        raise ValueError(
+            f"{POLICY_KEY}={policy!r} needs {need!r} attention scores, which this "
+            f"server does not compute (it was started with --kv-eviction-policy "
+            f"{cfg.kv_eviction_policy}); choose a policy without scores or "
+            f"{cfg.kv_eviction_policy!r}"
+        )
+
+
+def check_request_args(extra_args: dict[str, Any] | None, vllm_config) -> None:
+    """The front end's check (input processor): ValueError -> HTTP 400."""
+    if not extra_args:
+        return
+    request_eviction(
+        extra_args,
+        vllm_config.vtoken_config,
+        block_size=vllm_config.cache_config.block_size,
+        max_model_len=vllm_config.model_config.max_model_len,
+    )
