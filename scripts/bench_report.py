@@ -1,35 +1,21 @@
-"""Write docs/RESULTS.md from the benchmark JSON in docs/bench/.
-
-    python scripts/bench_report.py
-
-Every table names the command that produced it; the paper's targets (DESIGN.md
-§6) are set beside ours, and a miss is said as a miss.
-"""
-
-from __future__ import annotations
+"""Write docs/RESULTS.md from docs/bench/*.json: each table names its command and
+sets the paper's targets (DESIGN.md §6) beside ours; a miss is said as a miss."""
 
 import json
 import os
 import pathlib
 import platform
+import re
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BENCH = REPO / "docs/bench"
-POLICIES = ["h2o", "streamingllm", "scissorhands", "random"]
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    names = re.findall(r"^model name\s*: (.*)$", open("/proc/cpuinfo").read(), re.M)
     return (
-        f"{cpu}, {os.cpu_count()} cores, {platform.machine()}, "
-        f"Python {platform.python_version()}"
+        f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores, "
+        f"{platform.machine()}, Python {platform.python_version()}"
     )
 
 
@@ -45,8 +31,7 @@ def prompts_desc(wave: dict) -> str:
 
 
 def memory_section(d: dict, img: str) -> list[str]:
-    r = d["results"]
-    policies = d.get("policies", POLICIES)
+    r, policies = d["results"], d["policies"]
     out = [
         "## Fragmentation, memory utilization and retained blocks",
         "",
@@ -69,23 +54,16 @@ def memory_section(d: dict, img: str) -> list[str]:
             f"| {f['retained_blocks']:.1f} | {f['non_live_share']:.3f} "
             f"| {f['evicted_tokens']} | {f['moved_tokens']} "
             f"| {f['planner_us_per_call']:.0f} "
-            f"| {100 * f.get('planner_share', float('nan')):.2f} "
+            f"| {100 * f['planner_share']:.2f} "
             f"| {f['copy_bytes_per_step'] / 1024:.0f} "
             f"| {f['step_ms']:.0f} |"
         )
-    gains = [
-        100 * (r[f"{p}/vtoken"]["utilization"] - r[f"{p}/naive"]["utilization"])
-        for p in policies
-    ]
-    to_perfect = [
-        100 * (r[f"{p}/vtoken"]["perfect_packing"] - r[f"{p}/vtoken"]["utilization"])
-        for p in policies
-    ]
-    cut = [
-        100
-        * (1 - r[f"{p}/vtoken"]["retained_blocks"] / r[f"{p}/naive"]["retained_blocks"])
-        for p in policies
-    ]
+    gains, to_perfect, cut = [], [], []  # vtoken against naive, per policy
+    for p in policies:
+        v, n = r[f"{p}/vtoken"], r[f"{p}/naive"]
+        gains.append(100 * (v["utilization"] - n["utilization"]))
+        to_perfect.append(100 * (v["perfect_packing"] - v["utilization"]))
+        cut.append(100 * (1 - v["retained_blocks"] / n["retained_blocks"]))
     out += [
         "",
         f"![fragmentation and utilization]({img}/memory.png)",
@@ -108,8 +86,7 @@ def memory_section(d: dict, img: str) -> list[str]:
 
 
 def capacity_section(d: dict, img: str) -> list[str]:
-    r = d["results"]
-    per = d.get("blocks_per_request", {})
+    r, per = d["results"], d["blocks_per_request"]
     out = [
         f"## Capacity frontier: {d['prompt_len']} + {d['gen_len']} tokens per request",
         "",
@@ -118,8 +95,8 @@ def capacity_section(d: dict, img: str) -> list[str]:
         f"generated tokens, budget {d['budget']} = 50%, H2O) at once on a fixed "
         "pool; a mode sustains N when all N run together with no preemption, and "
         "the engine bisects for the largest N. Theory, in blocks per request: "
-        f"native ceil((prompt + generated - 1) / 16) = {per.get('native', '?')}; "
-        f"vtoken ceil((budget + 1) / 16) + 1 = {per.get('vtoken', '?')} (budget + 1 "
+        f"native ceil((prompt + generated - 1) / 16) = {per['native']}; "
+        f"vtoken ceil((budget + 1) / 16) + 1 = {per['vtoken']} (budget + 1 "
         "live tokens at the forward, densely packed, plus the tail block); one "
         "block of the pool is vLLM's null block. The theory puts every request at "
         "its peak at once; requests that start a step or two apart peak apart, so "
@@ -139,22 +116,20 @@ def capacity_section(d: dict, img: str) -> list[str]:
         n, v, t = (
             r[f"{pool}/{m}"]["max_concurrency"] for m in ("native", "vtoken", "theory")
         )
-        nt = r.get(f"{pool}/native_theory", {}).get("max_concurrency", "?")
+        nt = r[f"{pool}/native_theory"]["max_concurrency"]
+        modes = ("native", "naive", "vtoken")
+        tput = ", ".join(f"{r[f'{pool}/{m}']['decode_tok_s']:.1f}" for m in modes)
         out.append(
-            f"| {pool} | {most(f'{pool}/native')} | {most(f'{pool}/naive')} "
-            f"| {most(f'{pool}/vtoken')} "
+            f"| {pool} | {' | '.join(most(f'{pool}/{m}') for m in modes)} "
             f"| {v / n if n else float('inf'):.2f}x | {nt}, {t} "
-            f"| {v / t if t else 0:.2f} "
-            f"| {r[f'{pool}/native']['decode_tok_s']:.1f}, "
-            f"{r[f'{pool}/naive']['decode_tok_s']:.1f}, "
-            f"{r[f'{pool}/vtoken']['decode_tok_s']:.1f} |"
+            f"| {v / t if t else 0:.2f} | {tput} |"
         )
-    name = d.get("name", "capacity")
-    out += ["", f"![capacity]({img}/{name}.png)", ""]
+    out += ["", f"![capacity]({img}/{d['name']}.png)", ""]
     return out
 
 
 def overhead_section(d: dict, img: str) -> list[str]:
+    c = d["python_calls"]
     return [
         "## Overhead with the feature off",
         "",
@@ -174,33 +149,18 @@ def overhead_section(d: dict, img: str) -> list[str]:
         f"| median step time | {d['step_time_ratio_median']:.3f} | "
         + ", ".join(f"{x:.3f}" for x in d["step_time_ratios"])
         + " | < 1.01 |",
-        *calls_row(d),
-        "",
-    ]
-
-
-def calls_row(d: dict) -> list[str]:
-    if "python_calls" not in d:
-        return []
-    c = d["python_calls"]
-    return [
         f"| Python calls per engine step (deterministic) | "
         f"{d['python_calls_ratio']:.4f} | stock {c['stock']['per_step']:,.0f}, "
         f"patched {c['patched']['per_step']:,.0f} over {c['stock']['steps']} and "
         f"{c['patched']['steps']} steps | < 1.01 |",
-        *(
-            [
-                f"| C calls (torch, NumPy, builtins) per engine step | "
-                f"{c['patched']['c_per_step'] / c['stock']['c_per_step']:.4f} | "
-                f"stock {c['stock']['c_per_step']:,.0f}, patched "
-                f"{c['patched']['c_per_step']:,.0f} | < 1.01 |"
-            ]
-            if "c_per_step" in c["stock"]
-            else []
-        ),
+        f"| C calls (torch, NumPy, builtins) per engine step | "
+        f"{c['patched']['c_per_step'] / c['stock']['c_per_step']:.4f} | "
+        f"stock {c['stock']['c_per_step']:,.0f}, patched "
+        f"{c['patched']['c_per_step']:,.0f} | < 1.01 |",
         f"| added calls x cost per call / median step (bound on the hooks' cost) "
         f"| {1 + d['hook_bound_fraction']:.5f} | {d['extra_calls_per_step']:.0f} "
         f"calls per step x {d['call_ns']:.0f} ns | < 1.01 |",
+        "",
     ]
 
 
@@ -211,7 +171,7 @@ def sla_section(d: dict, img: str) -> list[str]:
         f"`{d['command']}` ({d['date']}, {d['seconds'] / 60:.1f} min). The patched "
         f"server (`vllm serve`, pool {d['pool']} blocks, H2O budget {d['budget']}) "
         "driven by the upstream `vllm bench serve` on "
-        f"{d.get('prompts', 'sharegpt')} prompts, {d['num_prompts']} "
+        f"{d['prompts']} prompts, {d['num_prompts']} "
         f"prompts, output length {d['gen_len']}. SLA: p95 end-to-end latency within "
         f"1.05x native's at the lowest rate ({d['sla_p95_ms']:.0f} ms).",
         "",
@@ -221,21 +181,16 @@ def sla_section(d: dict, img: str) -> list[str]:
         "|---|" + "---|" * len(d["rates"]) + "---:|",
     ]
     for mode in ("native", "naive", "vtoken"):
-        cells = [
-            f"{d['results'][f'{mode}/{x}']['output_throughput']:.1f}, "
-            f"{d['results'][f'{mode}/{x}']['p95_e2el_ms']:.0f}"
-            for x in d["rates"]
-        ]
+        runs = [d["results"][f"{mode}/{x}"] for x in d["rates"]]
+        cells = [f"{r['output_throughput']:.1f}, {r['p95_e2el_ms']:.0f}" for r in runs]
         out.append(
-            f"| {mode} | "
-            + " | ".join(cells)
-            + f" | {d['best_throughput'][mode]:.1f} |"
+            f"| {mode} | {' | '.join(cells)} | {d['best_throughput'][mode]:.1f} |"
         )
     out += ["", f"![sla]({img}/sla.png)", ""]
     return out
 
 
-def planner_section(d: dict, img: str) -> list[str]:
+def planner_section(d: dict, img: str = "") -> list[str]:
     out = [
         "## Planner cost",
         "",
@@ -279,17 +234,15 @@ def sections(folder: pathlib.Path, img: str, level: str = "##") -> list[str]:
 
 
 def gpu_sections() -> list[str]:
-    """Sections from scripts/bench_gpu.sh runs (docs/bench/gpu/<model>/)."""
+    """Sections from finished scripts/bench_gpu.sh runs: the docs/bench/gpu/<model>/
+    folders with a meta.json."""
     lines = []
-    for folder in sorted(p for p in (BENCH / "gpu").glob("*") if p.is_dir()):
-        meta_f = folder / "meta.json"
-        meta = json.loads(meta_f.read_text()) if meta_f.exists() else {}
+    for meta_f in sorted((BENCH / "gpu").glob("*/meta.json")):
+        meta, folder = json.loads(meta_f.read_text()), meta_f.parent
         lines += [
             f"## GPU: {folder.name} (dummy weights)",
             "",
-            f"`{meta.get('command', 'scripts/bench_gpu.sh')}` on "
-            f"{meta.get('device', 'unknown device')}, {meta.get('date', '?')}: "
-            f"{meta.get('note', '')}",
+            f"`{meta['command']}` on {meta['device']}, {meta['date']}: {meta['note']}",
             "",
         ]
         lines += sections(folder, f"bench/gpu/{folder.name}", level="###")

@@ -3,14 +3,11 @@
 
     python3 scripts/check_patches.py [PATCH_DIR]
 
-Checks that every series entry exists and is listed once, that no .patch file is
-missing from the series, that each patch starts with a DEP-3 header carrying
-Description (with a `Drop when:` paragraph), Forwarded and Last-Update fields,
-that it only modifies existing files (new files belong in vllm_overlay/), and
-that it ends with a newline. Exits 1 listing every problem found.
+Every series entry exists once, every .patch file is in the series, and each
+patch has a DEP-3 header (Description with a `Drop when:` paragraph, Forwarded,
+Last-Update), modifies only existing files (new ones belong in vllm_overlay/)
+and ends with a newline. Exits 1 listing every problem found.
 """
-
-from __future__ import annotations
 
 import pathlib
 import re
@@ -20,44 +17,43 @@ REQUIRED = ("Description:", "Forwarded:", "Last-Update:")
 
 
 def series_entries(patch_dir: pathlib.Path) -> list[str]:
-    entries = []
-    for line in (patch_dir / "series").read_text().splitlines():
-        line = re.sub(r"(^|\s)#.*$", "", line).strip()
-        if line:
-            entries.append(line)
-    return entries
+    lines = (patch_dir / "series").read_text().splitlines()
+    return [e for line in lines if (e := re.sub(r"(^|\s)#.*$", "", line).strip())]
+
+
+def patch_problems(name: str, text: str) -> list[str]:
+    header = text.split("\n---\n", 1)[0]
+    problems = [
+        f"{name}: DEP-3 header has no {field} field"
+        for field in REQUIRED
+        if not re.search(rf"^{field}", header, re.M)
+    ]
+    if "Drop when:" not in header:
+        problems.append(f"{name}: Description has no 'Drop when:' paragraph")
+    if "\n--- /dev/null" in text:
+        problems.append(f"{name}: creates a file (put new files in vllm_overlay/)")
+    if not text.endswith("\n"):
+        problems.append(f"{name}: does not end with a newline")
+    if not re.search(r"^\+\+\+ b/", text, re.M):
+        problems.append(f"{name}: contains no diff")
+    return problems
 
 
 def check(patch_dir: pathlib.Path) -> list[str]:
-    problems: list[str] = []
     if not (patch_dir / "series").is_file():
         return [f"{patch_dir}/series is missing"]
-    entries = series_entries(patch_dir)
+    problems: list[str] = []
     seen: set[str] = set()
-    for name in entries:
+    for name in series_entries(patch_dir):
         if name in seen:
             problems.append(f"{name} is listed twice in series")
         seen.add(name)
-        path = patch_dir / name
-        if not path.is_file():
+        if not (patch_dir / name).is_file():
             problems.append(f"series lists {name}, which does not exist")
-            continue
-        text = path.read_text()
-        header = text.split("\n---\n", 1)[0]
-        for field in REQUIRED:
-            if not re.search(rf"^{field}", header, re.M):
-                problems.append(f"{name}: DEP-3 header has no {field} field")
-        if "Drop when:" not in header:
-            problems.append(f"{name}: Description has no 'Drop when:' paragraph")
-        if "\n--- /dev/null" in text:
-            problems.append(f"{name}: creates a file (put new files in vllm_overlay/)")
-        if not text.endswith("\n"):
-            problems.append(f"{name}: does not end with a newline")
-        if not re.search(r"^\+\+\+ b/", text, re.M):
-            problems.append(f"{name}: contains no diff")
+        else:
+            problems += patch_problems(name, (patch_dir / name).read_text())
     for path in sorted(patch_dir.rglob("*.patch")):
-        rel = path.relative_to(patch_dir).as_posix()
-        if rel not in seen:
+        if (rel := path.relative_to(patch_dir).as_posix()) not in seen:
             problems.append(f"{rel} is not listed in series")
     return problems
 

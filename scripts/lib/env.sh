@@ -11,6 +11,9 @@ VTOKEN_PY=$VTOKEN_VENV/bin/python
 
 vtoken_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
+# A fresh venv at $1, with the pip the lock files are made with.
+vtoken_new_venv() { rm -rf "$1"; python3 -m venv "$1"; "$1/bin/pip" install -q --upgrade pip==25.3; }
+
 # The CPU worker refuses to start without tcmalloc and Intel OpenMP preloaded.
 vtoken_runtime_env() {
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1

@@ -21,7 +21,7 @@ from tests.conftest import installed_overlay_matches
 DRIVER = pathlib.Path(__file__).resolve().parents[2] / "scripts/engine_driver.py"
 _spec = importlib.util.spec_from_file_location("engine_driver", DRIVER)
 engine_driver = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(engine_driver)  # imports no vLLM: that is in main()
+_spec.loader.exec_module(engine_driver)  # imports no vLLM: its engines run in processes
 _cache: dict[str, dict] = {}
 
 

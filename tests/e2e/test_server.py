@@ -11,67 +11,23 @@ import json
 import os
 import pathlib
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
+
+from tests.e2e.conftest import engine_driver
 
 pytestmark = pytest.mark.e2e
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, engine_dir):
-    port = free_port()
+def server_url(tmp_path_factory, engine_dir):
+    cmd = [str(REPO / "scripts/run.sh"), "--max-model-len", "1024", "--enforce-eager"]
+    cmd += ["--kv-eviction-policy", "h2o", "--kv-budget-tokens", "64"]
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                str(REPO / "scripts/run.sh"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--max-model-len",
-                "1024",
-                "--enforce-eager",
-                "--kv-eviction-policy",
-                "h2o",
-                "--kv-budget-tokens",
-                "64",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("server did not start:\n" + log.read_text()[-4000:])
-                time.sleep(2)
-        yield base, log
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    with engine_driver.serve(cmd, log, timeout=240) as url:
+        yield url
 
 
 def post(url: str, body: dict) -> dict:
@@ -87,10 +43,9 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-def test_serves_a_completion_with_eviction_and_exports_metrics(server):
-    base, _ = server
+def test_serves_a_completion_with_eviction_and_exports_metrics(server_url):
     out = post(
-        base + "/v1/completions",
+        server_url + "/v1/completions",
         {
             "model": "SmolLM2-135M-Instruct",
             "prompt": "The capital of France is",
@@ -101,7 +56,7 @@ def test_serves_a_completion_with_eviction_and_exports_metrics(server):
     )
     assert out["choices"][0]["text"].startswith(" Paris")
     assert out["usage"]["completion_tokens"] == 160
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(server_url + "/metrics", timeout=10).read().decode()
     # 6 prompt + 160 generated tokens, budget 64: about 100 evicted.
     assert metric(text, "vllm:kv_evicted_tokens_total") >= 90
     assert metric(text, "vllm:kv_reclaimed_blocks_total") > 0
@@ -116,38 +71,15 @@ def test_serves_a_completion_with_eviction_and_exports_metrics(server):
         metric(text, name)
 
 
-def test_upstream_bench_serve_runs_unchanged(server, tmp_path):
-    base, _ = server
-    vllm = pathlib.Path(sys.executable).parent / "vllm"
-    r = subprocess.run(
-        [
-            str(vllm),
-            "bench",
-            "serve",
-            "--base-url",
-            base,
-            "--model",
-            "SmolLM2-135M-Instruct",
-            "--tokenizer",
-            os.environ["VTOKEN_MODEL_DIR"],
-            "--dataset-name",
-            "sharegpt",
-            "--dataset-path",
-            os.environ["VTOKEN_SHAREGPT"],
-            "--num-prompts",
-            "4",
-            "--sharegpt-output-len",
-            "32",
-            "--save-result",
-            "--result-dir",
-            str(tmp_path),
-            "--result-filename",
-            "bench.json",
-        ],
-        capture_output=True,
-        text=True,
+def test_upstream_bench_serve_runs_unchanged(server_url):
+    result = engine_driver.bench_serve(
+        server_url,
         timeout=300,
+        model="SmolLM2-135M-Instruct",
+        tokenizer=os.environ["VTOKEN_MODEL_DIR"],
+        dataset_name="sharegpt",
+        dataset_path=os.environ["VTOKEN_SHAREGPT"],
+        num_prompts=4,
+        sharegpt_output_len=32,
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    result = json.loads((tmp_path / "bench.json").read_text())
     assert result["completed"] == 4
