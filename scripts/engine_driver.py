@@ -8,14 +8,13 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
   engine      LLM(...) keyword arguments (model defaults to VTOKEN_MODEL_DIR)
   the workload:
     prompts     list of prompt token-id lists, or
-    sharegpt    {"n": N, "min_tokens": a, "max_tokens": b}: the first N human
-                turns of the repaired ShareGPT file with at least a tokens,
-                tokenized, cut to b
+    sharegpt    {"n": N, "min_tokens": a, "max_tokens": b}: the first N human turns
+                of the repaired ShareGPT file of at least a tokens, cut to b
     random      the same keys (a is ignored): N prompts of b uniformly random
                 token ids, for dummy-weight models, where text means nothing
     max_tokens  generation length (int, or one per prompt); EOS is ignored
-    arrivals    optional step at which each request is added (default 0)
-    aborts      optional {request index: step} to abort mid-generation
+    arrivals, aborts, extra_args   optional, per request: the step it is added
+                at (default 0), {index: step} to abort it, SamplingParams.extra_args
   histogram   record, every step, how many held blocks have 0..B live tokens
   count_calls  count the Python and C calls engine steps make (slower)
   search      {"lo": a, "hi": b, "wave": W}: instead, bisect on one engine for
@@ -232,6 +231,7 @@ class Driver:
         if isinstance(lengths, int):
             lengths = [lengths] * len(prompts)
         arrivals = wave.get("arrivals") or [0] * len(prompts)
+        extra = wave.get("extra_args") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (wave.get("aborts") or {}).items()}
         free_start, outputs, finish_t, steps = pool.get_num_free_blocks(), {}, {}, []
         self.counts.update(preemptions=0, max_scheduled=0)
@@ -240,7 +240,10 @@ class Driver:
             step = len(steps)
             for i in (i for i, at in enumerate(arrivals) if at == step):
                 params = SamplingParams(
-                    temperature=0.0, max_tokens=lengths[i], ignore_eos=True
+                    temperature=0.0,
+                    max_tokens=lengths[i],
+                    ignore_eos=True,
+                    extra_args=extra[i],
                 )
                 prompt = {"prompt_token_ids": prompts[i]}  # a TokensPrompt
                 engine.add_request(f"{tag}{i}", prompt, params)

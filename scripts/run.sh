@@ -2,10 +2,9 @@
 # Serve the real model from the patched engine (an OpenAI-compatible server):
 #   scripts/run.sh [vllm serve arguments...]
 # Builds the environment on first use (scripts/setup_env.sh), then runs `vllm
-# serve` with every argument unchanged, and our defaults for the flags they do
-# not give: the converted SmolLM2-135M-Instruct (unless a model is named, as
-# --model M or a first positional argument), block size 16, e.g.
-#   scripts/run.sh --port 8001 --kv-eviction-policy h2o --kv-budget-tokens 256
+# serve` with every argument unchanged, plus defaults for the flags not given:
+# SmolLM2-135M-Instruct (unless --model M or a first positional argument names a
+# model), block size 16; e.g. scripts/run.sh --kv-eviction-policy h2o
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 "$VTOKEN_REPO/scripts/setup_env.sh"

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import re
+import time
 import urllib.request
 
 import pytest
@@ -83,3 +84,87 @@ def test_upstream_bench_serve_runs_unchanged(server_url):
         sharegpt_output_len=32,
     )
     assert result["completed"] == 4
+
+
+# --- per-request settings (vllm_xargs -> SamplingParams.extra_args) -----------
+PROMPT = "The capital of France is"  # under one block: no prefix-cache hit
+
+
+def complete(server_url: str, xargs: dict | None, max_tokens: int = 160):
+    import openai
+
+    client = openai.OpenAI(base_url=server_url + "/v1", api_key="none")
+    return client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **({"vllm_xargs": xargs} if xargs else {}),
+        },
+    )
+
+
+def evicted_by(server_url: str, xargs: dict | None) -> tuple[int, list[int]]:
+    """Tokens one request alone had evicted (the engine-wide counter's delta)."""
+    before = scrape(server_url, "vllm:kv_evicted_tokens_total")
+    out = complete(server_url, xargs)
+    assert out.usage.completion_tokens == 160
+    return scrape(server_url, "vllm:kv_evicted_tokens_total") - before, out
+
+
+def scrape(server_url: str, name: str) -> float:
+    """`name` once the front end has recorded the last step's stats (it may
+    answer a request just before it does)."""
+    last = None
+    for _ in range(50):
+        text = urllib.request.urlopen(server_url + "/metrics", timeout=10).read()
+        value = metric(text.decode(), name)
+        if value == last:
+            return value
+        last = value
+        time.sleep(0.2)
+    raise AssertionError(f"{name} did not settle")
+
+
+def test_each_request_gets_its_own_budget_or_opts_out(server_url, engine):
+    # 6 prompt + 160 generated tokens: 165 are known at the last eviction, so a
+    # budget b evicts 165 - b (the engine's default, 64, evicts 101).
+    for xargs, want in (
+        (None, 165 - 64),
+        ({"kv_budget_tokens": 128}, 165 - 128),
+        ({"kv_budget_tokens": 32, "kv_eviction_policy": "streamingllm"}, 165 - 32),
+        ({"kv_budget_tokens": "none"}, 0),
+    ):
+        got, out = evicted_by(server_url, xargs)
+        assert abs(got - want) <= 1, (xargs, got, want)
+    # The opted-out request read through vLLM's own kernel: token for token the
+    # same as an engine with no policy.
+    ids = out.choices[0].prompt_token_ids
+    native = engine({"engine": {}, "prompts": [ids], "max_tokens": 160})
+    assert out.choices[0].token_ids == native["outputs"]["0"]
+
+
+@pytest.mark.parametrize(
+    "xargs, message",
+    [
+        ({"kv_budget": 64}, "unknown vToken request key"),
+        ({"kv_budget_tokens": 8}, "must be in [16, 1024]"),
+        ({"kv_budget_tokens": 4096}, "must be in [16, 1024]"),
+        ({"kv_budget_tokens": "64"}, "must be an integer"),
+        ({"kv_eviction_policy": "lru"}, "must be one of"),
+        ({"kv_eviction_policy": "scissorhands"}, "needs 'persistence' attention"),
+    ],
+)
+def test_bad_request_settings_are_a_400_and_the_server_serves_on(
+    server_url, xargs, message
+):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        complete(server_url, xargs, max_tokens=4)
+    assert err.value.status_code == 400 and message in str(err.value)
+    assert complete(server_url, {"kv_budget_tokens": 32}, max_tokens=4).choices
+    assert scrape(server_url, "vllm:kv_cache_usage_perc") == 0.0  # nothing leaked

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import VLLMValidationError
 from vllm.vtoken.policies import POLICIES
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ def request_eviction(
     """The request's eviction settings: its own keys over the engine's flags.
 
     Raises:
-        ValueError: Naming the key and the rule it breaks.
+        VLLMValidationError: A ValueError naming the key (`parameter`) and the
+            rule it breaks; the OpenAI server answers it with HTTP 400.
     """
     args = {
         k: v
@@ -79,16 +81,18 @@ def request_eviction(
         return engine
     unknown = sorted(set(args) - set(KEYS))
     if unknown:
-        raise ValueError(
+        raise VLLMValidationError(
             f"unknown vToken request key(s) {unknown} in vllm_xargs/extra_args; "
-            f"valid: {list(KEYS)}"
+            f"valid: {list(KEYS)}",
+            parameter=unknown[0],
         )
     if not cfg.enabled:
         if all(v == OPT_OUT for v in args.values()):
             return engine  # opting out of what this server never does
-        raise ValueError(
+        raise VLLMValidationError(
             f"{', '.join(sorted(args))}: per-request eviction needs a server "
-            "started with --kv-eviction-policy"
+            "started with --kv-eviction-policy",
+            parameter=sorted(args)[0],
         )
     policy = args.get(POLICY_KEY, cfg.kv_eviction_policy)
     _check_policy(policy, cfg)
@@ -96,18 +100,21 @@ def request_eviction(
     if policy == OPT_OUT or budget == OPT_OUT:
         return RequestEviction(OPT_OUT, None)
     if budget is None:
-        raise ValueError(
+        raise VLLMValidationError(
             f"{POLICY_KEY}={policy!r} needs {BUDGET_KEY}: this server has no "
-            "default budget (--kv-budget-tokens)"
+            "default budget (--kv-budget-tokens)",
+            parameter=BUDGET_KEY,
         )
     if isinstance(budget, bool) or not isinstance(budget, int):
-        raise ValueError(
-            f"{BUDGET_KEY} must be an integer or {OPT_OUT!r}, got {budget!r}"
+        raise VLLMValidationError(
+            f"{BUDGET_KEY} must be an integer or {OPT_OUT!r}, got {budget!r}",
+            parameter=BUDGET_KEY,
         )
     if not block_size <= budget <= max_model_len:
-        raise ValueError(
+        raise VLLMValidationError(
             f"{BUDGET_KEY}={budget} must be in [{block_size}, {max_model_len}] "
-            "(one KV block to max_model_len)"
+            "(one KV block to max_model_len)",
+            parameter=BUDGET_KEY,
         )
     return RequestEviction(policy, budget)
 
@@ -116,18 +123,20 @@ def _check_policy(policy: Any, cfg: VTokenConfig) -> None:
     if policy == OPT_OUT:
         return
     if not isinstance(policy, str) or policy not in POLICIES:
-        raise ValueError(
+        raise VLLMValidationError(
             f"{POLICY_KEY} must be one of {[OPT_OUT, *sorted(POLICIES)]}, "
-            f"got {policy!r}"
+            f"got {policy!r}",
+            parameter=POLICY_KEY,
         )
     need = POLICIES[policy].score_mode
     have = POLICIES[cfg.kv_eviction_policy].score_mode
     if need is not None and need != have:
-        raise ValueError(
+        raise VLLMValidationError(
             f"{POLICY_KEY}={policy!r} needs {need!r} attention scores, which this "
             f"server does not compute (it was started with --kv-eviction-policy "
             f"{cfg.kv_eviction_policy}); choose a policy without scores or "
-            f"{cfg.kv_eviction_policy!r}"
+            f"{cfg.kv_eviction_policy!r}",
+            parameter=POLICY_KEY,
         )
 
 
