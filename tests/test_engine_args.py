@@ -44,6 +44,11 @@ def test_policy_sets_up_and_turns_async_scheduling_off():
     assert cfg.scheduler_config.async_scheduling is False
 
 
+def test_a_budget_past_max_model_len_is_warned_about(caplog):
+    make_config(kv_eviction_policy="h2o", kv_budget_tokens=4096)  # max_model_len 512
+    assert "--kv-budget-tokens 4096 >= --max-model-len 512" in caplog.text
+
+
 def test_a_policy_without_a_budget_evicts_only_requests_that_ask():
     cfg = make_config(kv_eviction_policy="h2o").vtoken_config
     assert cfg.enabled and cfg.kv_budget_tokens is None
@@ -82,6 +87,21 @@ def test_a_policy_without_a_budget_evicts_only_requests_that_ask():
             },
             "num_sink",
         ),
+        *(
+            (
+                {
+                    "kv_eviction_policy": "random",
+                    "kv_budget_tokens": 64,
+                    "kv_eviction_config": {"seed": seed},
+                },
+                '"seed" must be a non-negative integer',
+            )
+            for seed in (-1, "abc", None, 1.5, True)
+        ),
+        ({"kv_budget_tokens": 64}, "--kv-budget-tokens without --kv-eviction-policy"),
+        ({"kv_eviction_config": {"seed": 1}}, "--kv-eviction-config without"),
+        ({"kv_reclaim": "naive"}, "--kv-reclaim without"),
+        ({"kv_reclaim_threshold": 0.5}, "--kv-reclaim-threshold without"),
     ],
 )
 def test_bad_values_fail_at_start_up(kwargs, message):

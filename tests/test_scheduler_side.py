@@ -16,7 +16,7 @@ import torch
 B = 4
 
 
-def setup(reclaim: str, caching: bool = False):
+def setup(reclaim: str, caching: bool = False, embeds: bool = False):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import (
@@ -57,10 +57,11 @@ def setup(reclaim: str, caching: bool = False):
         hasher = get_request_block_hasher(B, sha256)
     req = Request(
         "A",
-        list(range(100, 112)),
+        None if embeds else list(range(100, 112)),
         SamplingParams(max_tokens=8),
         None,
         block_hasher=hasher,
+        prompt_embeds=torch.ones(12, 8, dtype=torch.bfloat16) if embeds else None,
     )
     requests = {"A": req}
     return kv, VTokenScheduler(cfg, kv, B, requests), req
@@ -175,6 +176,15 @@ def test_evictions_of_a_request_preempted_in_the_same_step_reach_the_worker():
     out = vt.end_step(SimpleNamespace(num_scheduled_tokens={}))
     assert out is not None and out.dead["A"].tolist() == [1, 2, 3, 4, 5, 6]
     vt.check_integrity()
+
+
+def test_a_prompt_embeds_request_is_served():
+    """--enable-prompt-embeds: no prompt token ids (the generator was keyed on
+    them, and the engine core died on the request)."""
+    kv, vt, req = setup("vtoken", embeds=True)
+    step(kv, vt, req, 12, running=[])
+    out = step(kv, vt, req, 1, running=[req])
+    assert out.dead["A"].tolist() == [1, 2, 3, 4, 5, 6]
 
 
 def test_compaction_destinations_leave_the_prefix_cache():

@@ -70,7 +70,28 @@ class VTokenConfig:
     @model_validator(mode="after")
     def _validate(self) -> "VTokenConfig":
         if not self.enabled:
+            given = [
+                flag
+                for flag, value, default in (
+                    ("--kv-budget-tokens", self.kv_budget_tokens, None),
+                    ("--kv-eviction-config", self.kv_eviction_config, {}),
+                    ("--kv-reclaim", self.kv_reclaim, "vtoken"),
+                    ("--kv-reclaim-threshold", self.kv_reclaim_threshold, 1.0),
+                )
+                if value != default
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} without --kv-eviction-policy does nothing: "
+                    "choose a policy, or drop the flag"
+                )
             return self
+        seed = self.kv_eviction_config.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(
+                '--kv-eviction-config: "seed" must be a non-negative integer, '
+                f"got {seed!r}"
+            )
         # Build the policy once so that bad knobs fail at start-up, not mid-run.
         from vllm.vtoken.policies import create_policy
 
@@ -123,6 +144,16 @@ class VTokenConfig:
         if envs.VLLM_USE_V2_MODEL_RUNNER:
             refuse("VLLM_USE_V2_MODEL_RUNNER=1", "vToken hooks the V1 model runner")
         model = vllm_config.model_config
+        budget = self.kv_budget_tokens
+        if model is not None and budget is not None and budget >= model.max_model_len:
+            logger.warning(
+                "vToken: --kv-budget-tokens %d >= --max-model-len %d: no request "
+                "is evicted unless it sets a smaller kv_budget_tokens (with h2o "
+                "or scissorhands every request still reads through the token "
+                "table, for its scores).",
+                budget,
+                model.max_model_len,
+            )
         if model is not None:
             if model.get_sliding_window() is not None:
                 refuse("sliding-window attention", "its window is positional")
@@ -168,7 +199,7 @@ class VTokenConfig:
 
     @property
     def seed(self) -> int:
-        return int(self.kv_eviction_config.get("seed", 0))
+        return self.kv_eviction_config.get("seed", 0)
 
     def compute_hash(self) -> str:
         # vToken changes which KV entries attention reads, not the compiled

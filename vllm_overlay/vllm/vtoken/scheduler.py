@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from vllm.vtoken import integrity
 from vllm.vtoken.eviction import EvictionRuntime
@@ -220,8 +221,7 @@ class VTokenScheduler:
         if rec is None:
             self._reqs[rid] = RequestState()
             req = self._requests[rid]
-            # Same prompt and seed, same random draws, whatever the request id.
-            key = np.asarray(req.prompt_token_ids, np.int64).tobytes()
+            key = _prompt_key(req)
             evict = request_eviction(
                 req.sampling_params.extra_args if req.sampling_params else None,
                 self.cfg,
@@ -287,3 +287,14 @@ class VTokenScheduler:
         assert free + int((ref[1:] > 0).sum()) == len(ref) - 1, (
             f"free ({free}) + held != total ({len(ref) - 1})"
         )
+
+
+def _prompt_key(req: Request) -> bytes:
+    """What seeds a request's generator: same prompt and seed, same random
+    draws, whatever the request id (engine ids carry a random suffix)."""
+    if req.prompt_token_ids is not None:
+        return np.asarray(req.prompt_token_ids, np.int64).tobytes()
+    if req.prompt_embeds is not None:  # --enable-prompt-embeds: no token ids
+        embeds = req.prompt_embeds.detach().cpu().contiguous()
+        return embeds.view(-1).view(torch.uint8).numpy().tobytes()
+    return req.request_id.encode()
