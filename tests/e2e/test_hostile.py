@@ -1,0 +1,129 @@
+"""A careless and hostile client against the patched server, for every policy.
+
+One server per policy, on a small KV pool (evictions and preemptions) with
+VTOKEN_CHECK_INTEGRITY=1 (an invariant broken at any step kills the engine),
+driven with a mix of what the OpenAI API lets a client send: prompt embeddings,
+n > 1, beam search, logprobs and prompt_logprobs, stop strings, a streaming
+client that disconnects, priorities, per-request settings, a prompt over the
+limit. No answer may be a 5xx, the server stays healthy, the KV pool drains to
+empty, and a fixed greedy prompt answers the same before and after.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import http.client
+import io
+import json
+import os
+import pathlib
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tests.e2e.conftest import engine_driver
+from tests.e2e.test_server import PROMPT, metric
+
+pytestmark = pytest.mark.e2e
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+LONG = " ".join(["the lighthouse keeper counted the waves"] * 20)  # ~140 tokens
+
+
+@pytest.fixture(
+    scope="module", params=["h2o", "streamingllm", "scissorhands", "random"]
+)
+def server_url(request, tmp_path_factory, engine_dir):
+    cmd = [str(REPO / "scripts/run.sh"), "--max-model-len", "384", "--enforce-eager"]
+    cmd += ["--num-gpu-blocks-override", "24", "--enable-prompt-embeds"]
+    cmd += ["--kv-eviction-policy", request.param, "--kv-budget-tokens", "48"]
+    log = tmp_path_factory.mktemp("hostile") / "serve.log"
+    os.environ["VTOKEN_CHECK_INTEGRITY"] = "1"  # the server inherits it
+    try:
+        with engine_driver.serve(cmd, log, timeout=240) as url:
+            os.environ.pop("VTOKEN_CHECK_INTEGRITY")
+            yield url
+    finally:
+        os.environ.pop("VTOKEN_CHECK_INTEGRITY", None)
+
+
+def send(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        json.dumps({"model": MODEL, **body}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def stream_and_hang_up(url: str, body: dict) -> tuple[int, dict]:
+    """Reads a few chunks of a streamed completion, then drops the connection."""
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    payload = json.dumps({"model": MODEL, "stream": True, **body})
+    conn.request(
+        "POST", "/v1/completions", payload, {"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    for _ in range(3):
+        resp.readline()
+    conn.close()
+    return resp.status, {}
+
+
+def embeds_b64(n: int) -> str:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.randn(n, 576, generator=torch.Generator().manual_seed(n)), buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def greedy(url: str) -> str:
+    status, out = send(url, {"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    assert status == 200, out
+    return out["choices"][0]["text"]
+
+
+EMBEDS = (send, {"prompt_embeds": embeds_b64(80), "max_tokens": 64})
+MIX = [
+    (send, {"prompt": LONG, "max_tokens": 96, "temperature": 0, "ignore_eos": True}),
+    (send, {"prompt": LONG, "max_tokens": 64, "n": 4, "temperature": 1, "seed": 3}),
+    (send, {"prompt": PROMPT, "max_tokens": 32, "n": 3, "use_beam_search": True}),
+    (send, {"prompt": LONG, "max_tokens": 48, "logprobs": 3, "prompt_logprobs": 2}),
+    (send, {"prompt": LONG, "max_tokens": 80, "stop": [".", "\n"]}),
+    (stream_and_hang_up, {"prompt": LONG, "max_tokens": 200, "ignore_eos": True}),
+    (send, {"prompt": LONG, "max_tokens": 64, "priority": 5}),
+    (send, {"prompt": LONG, "max_tokens": 64, "vllm_xargs": {"kv_budget_tokens": 16}}),
+    (send, {"prompt": LONG, "max_tokens": 64, "vllm_xargs": {"kv_budget_tokens": "x"}}),
+    (send, {"prompt": LONG * 5, "max_tokens": 8}),  # over max_model_len
+    EMBEDS,
+    (send, {"prompt": "", "max_tokens": 8}),
+    (send, {"prompt": LONG, "max_tokens": 0}),
+]
+
+
+def test_a_hostile_mix_leaves_the_server_healthy_and_the_pool_empty(server_url):
+    before = greedy(server_url)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        jobs = [pool.submit(fn, server_url, body) for fn, body in MIX]
+        answers = [job.result(timeout=600) for job in jobs]
+    statuses = [status for status, _ in answers]
+    assert set(statuses) <= {200, 400}, list(zip(MIX, answers, strict=True))
+    assert statuses[MIX.index(EMBEDS)] == 200  # it used to kill the engine core
+    assert urllib.request.urlopen(server_url + "/health", timeout=10).status == 200
+    # The last step of this request reports the pool after everything finished
+    # (an aborted stream takes no step of its own).
+    assert greedy(server_url) == before
+    text = urllib.request.urlopen(server_url + "/metrics", timeout=10).read().decode()
+    assert metric(text, "vllm:num_requests_running") == 0
+    assert metric(text, "vllm:kv_cache_usage_perc") == 0
+    assert metric(text, "vllm:kv_evicted_tokens_total") > 0
+    assert metric(text, "vllm:num_preemptions_total") > 0  # the pool is small
