@@ -124,6 +124,37 @@ def test_unsupported_combination_names_what_and_why():
     assert "does not support speculative decoding" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--kv-eviction-policy", "h2o", "--kv-eviction-config", '{"x": 1}'],
+            "vllm serve: error: h2o: unknown knob(s) ['x']; valid knobs: "
+            "['recent_ratio']",
+        ),
+        (
+            ["--kv-budget-tokens", "64"],
+            "vllm serve: error: --kv-budget-tokens without --kv-eviction-policy "
+            "does nothing: choose a policy, or drop the flag",
+        ),
+        (
+            ["--kv-eviction-policy", "random", "--kv-reclaim-threshold", "2"],
+            "vllm serve: error: --kv-reclaim-threshold: Input should be less than "
+            "or equal to 1",
+        ),
+    ],
+)
+def test_vllm_serve_refuses_a_bad_flag_in_one_line(flags, line):
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    model = os.environ["VTOKEN_MODEL_DIR"]
+    out = subprocess.run(
+        [vllm, "serve", model, *flags], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stdout + out.stderr
+    assert out.stderr.strip().splitlines()[-1] == line
+
+
 def test_cli_lists_the_group_and_the_vllm_command_starts():
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
     out = subprocess.run(

@@ -9,9 +9,10 @@ default policy `none` every vToken hook stays idle and vLLM behaves as stock.
 annotations as real types.)
 """
 
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from vllm.config.utils import config
 from vllm.logger import init_logger
@@ -205,3 +206,24 @@ class VTokenConfig:
         # vToken changes which KV entries attention reads, not the compiled
         # graph: attention is an opaque splitting op.
         return "vtoken-no-graph-factors"
+
+
+def check_cli_args(args) -> None:
+    """`vllm serve`: a bad vToken flag ends the command the way argparse does,
+    one line naming the flag and the rule (exit status 2), before the model
+    loads. Checks that need the whole engine config come later, as vLLM's own."""
+    fields = VTokenConfig.__dataclass_fields__
+    try:
+        VTokenConfig(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    except (ValidationError, ValueError) as err:
+        sys.stderr.write(f"vllm serve: error: {_one_line(err)}\n")
+        raise SystemExit(2) from None
+
+
+def _one_line(err: Exception) -> str:
+    if not isinstance(err, ValidationError):
+        return str(err)
+    first = err.errors()[0]
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    loc = [str(part) for part in first["loc"]]
+    return f"--{loc[0].replace('_', '-')}: {msg}" if loc else msg
