@@ -49,8 +49,9 @@ def test_a_budget_past_max_model_len_is_warned_about(caplog):
     assert "--kv-budget-tokens 4096 >= --max-model-len 512" in caplog.text
 
 
-def test_a_policy_without_a_budget_evicts_only_requests_that_ask():
-    cfg = make_config(kv_eviction_policy="h2o").vtoken_config
+@pytest.mark.parametrize("policy", ["h2o", "streamingllm", "scissorhands", "random"])
+def test_a_policy_without_a_budget_evicts_only_requests_that_ask(policy):
+    cfg = make_config(kv_eviction_policy=policy).vtoken_config
     assert cfg.enabled and cfg.kv_budget_tokens is None
 
 

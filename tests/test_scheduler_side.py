@@ -187,6 +187,21 @@ def test_a_prompt_embeds_request_is_served():
     assert out.dead["A"].tolist() == [1, 2, 3, 4, 5, 6]
 
 
+def test_kv_written_after_the_first_eviction_is_not_cached():
+    """Once tokens are dead, the request's new KV was computed without them: a
+    later request hitting it in the prefix cache would read attention that no
+    model computed for it (and an opted-out one would no longer match native)."""
+    kv, vt, req = setup("naive", caching=True)
+    step(kv, vt, req, 12, running=[])
+    step(kv, vt, req, 1, running=[req])  # first eviction: tokens 1..6 die
+    for _ in range(3):  # tokens 13..15: block 3 (tokens 12..15) fills
+        step(kv, vt, req, 1, running=[req])
+    blocks = [kv.block_pool.blocks[i] for i in kv.get_block_ids("A")[0]]
+    assert len(blocks) == 4
+    assert blocks[2].block_hash is not None  # written before the eviction
+    assert blocks[3].block_hash is None
+
+
 def test_compaction_destinations_leave_the_prefix_cache():
     """A hole filled by a move changes the block's content: its hash must go;
     the emptied source keeps its KV intact, so it stays a valid cache entry."""

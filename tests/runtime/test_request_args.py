@@ -14,9 +14,13 @@ B, MAX_LEN = 16, 2048
 class Cfg:
     """The VTokenConfig fields request_eviction reads (no vLLM config import)."""
 
-    def __init__(self, policy="h2o", budget=256):
+    def __init__(self, policy="h2o", budget=256, **knobs):
         self.kv_eviction_policy, self.kv_budget_tokens = policy, budget
         self.enabled = policy != "none"
+        self.knobs = knobs
+
+    def policy_knobs(self):
+        return self.knobs
 
 
 def parse(args, cfg=None):
@@ -53,6 +57,12 @@ def test_a_request_brings_its_own_budget_policy_or_opt_out():
         ({"kv_budget_tokens": "64"}, None, "must be an integer"),
         ({"kv_budget_tokens": 64.0}, None, "must be an integer"),
         ({"kv_budget_tokens": True}, None, "must be an integer"),
+        ({"kv_budget_tokens": None}, None, "must be an integer"),
+        (
+            {"kv_budget_tokens": 16},
+            Cfg("streamingllm", None, num_sinks=32),
+            r"kv_budget_tokens=16: streamingllm: num_sinks \(32\) must be < budget",
+        ),
         ({"kv_eviction_policy": "lru"}, None, "must be one of"),
         ({"kv_eviction_policy": "scissorhands"}, None, "'persistence' attention"),
         ({"kv_eviction_policy": "h2o"}, Cfg("random", 64), "'sum' attention"),

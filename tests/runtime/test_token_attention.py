@@ -459,3 +459,28 @@ def test_one_plan_serves_every_layer():
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
     torch.testing.assert_close(outs[0], reference(b), atol=1e-5, rtol=1e-5)
+
+
+def test_score_only_requests_keep_the_rows_vllm_wrote():
+    """A request without a dead token is read for its masses only: its output
+    rows stay as vLLM's kernel wrote them; the others are overwritten."""
+    b = make_batch(6, **SHAPES["mixed"])  # requests 0, 2 decode; 1, 3 prefill
+    write = np.array([True, False, False, True])
+    plan = build_cpu_read_plan(
+        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2, write
+    )
+    out = torch.full_like(b["query"], 7.0)
+    rec = RecordingScores()
+    cpu_token_attention(
+        b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"], rec
+    )
+    qsl, want = b["query_start_loc"], reference(b)
+    for r, w in enumerate(write):
+        rows = slice(qsl[r], qsl[r + 1])
+        if w:
+            torch.testing.assert_close(out[rows], want[rows], atol=1e-5, rtol=1e-5)
+        else:
+            assert (out[rows] == 7.0).all()
+    full = RecordingScores()
+    run_cpu(b, scores=full)  # the masses do not depend on what is written
+    torch.testing.assert_close(rec.calls[0][1], full.calls[0][1], atol=0, rtol=0)

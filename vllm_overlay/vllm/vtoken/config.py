@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+UNBOUNDED_BUDGET = 2**31 - 1
 EvictionPolicyName = Literal["none", "h2o", "streamingllm", "scissorhands", "random"]
 ReclaimMode = Literal["naive", "vtoken"]
 
@@ -96,9 +97,11 @@ class VTokenConfig:
         # Build the policy once so that bad knobs fail at start-up, not mid-run.
         from vllm.vtoken.policies import create_policy
 
+        # Without an engine budget, knobs are checked against any budget here,
+        # and against each request's own when it brings one (request_args.py).
         create_policy(
             self.kv_eviction_policy,
-            self.kv_budget_tokens or 1,
+            self.kv_budget_tokens or UNBOUNDED_BUDGET,
             self.policy_knobs(),
         )
         if self.kv_budget_tokens is None:

@@ -33,9 +33,11 @@ class TokenRead:
 
     A request with no keys (kv_indptr[r] == kv_indptr[r + 1]) is not on the
     token read: it has no dead token and needs no scores, so vLLM's own kernel
-    reads it. `with_stock` says some request is such: the backend then runs its
-    own kernel for the batch first, and the token read overwrites the rows of
-    the requests it covers (CPU only; on GPU every request is on the read).
+    reads it; one with keys but no dead token is read for its scores only.
+    `with_stock` says some request takes its output from vLLM's kernel: the
+    backend then runs that kernel for the batch first, and the token read
+    overwrites the rows of the requests with a dead token (CPU only; on GPU
+    every request is on the read).
     """
 
     query_start_loc: np.ndarray  # int64 [num_reqs + 1]

@@ -69,7 +69,9 @@ class CpuReadPlan:
     value cache viewed `[N * H * B, D]`, one per KV head. Requests with several
     queries (prefills) read `other_slots`, request `others[i]`'s keys being
     entries `[other_loc[i], other_loc[i + 1])`. `score_slots` lists every key
-    read, in the order the attention masses are concatenated.
+    read, in the order the attention masses are concatenated. A request whose
+    output vLLM's kernel already wrote (`decode_write` / `other_write` False) is
+    read for its attention masses only.
     """
 
     q_loc: list[int]
@@ -84,6 +86,8 @@ class CpuReadPlan:
     other_slots: torch.Tensor  # [S'] int64
     other_loc: list[int]
     score_slots: torch.Tensor  # [S''] int64
+    decode_write: torch.Tensor | None  # [R] bool; None: write every row
+    other_write: list[bool]
 
 
 def build_cpu_read_plan(
@@ -92,6 +96,7 @@ def build_cpu_read_plan(
     kv_slots: torch.Tensor,
     block_size: int,
     num_kv_heads: int,
+    write: np.ndarray | None = None,
 ) -> CpuReadPlan:
     """The index tensors of one step's read, for every layer.
 
@@ -102,6 +107,7 @@ def build_cpu_read_plan(
             its current query tokens last.
         block_size: B.
         num_kv_heads: H of the cache.
+        write: `[R]` bool, whose output the read writes (default: all).
     """
     q_loc = np.asarray(query_start_loc, dtype=np.int64)
     kv_loc = np.asarray(kv_indptr, dtype=np.int64)
@@ -128,6 +134,8 @@ def build_cpu_read_plan(
         [np.arange(kv_loc[r], kv_loc[r + 1]) for r in others] + [np.zeros(0, np.int64)]
     )
     other_slots = kv_slots[torch.from_numpy(sel)]
+    if write is None:
+        write = np.ones(len(num_q), dtype=bool)
     return CpuReadPlan(
         q_loc=q_loc.tolist(),
         kv_loc=kv_loc.tolist(),
@@ -141,6 +149,8 @@ def build_cpu_read_plan(
         other_slots=other_slots,
         other_loc=np.r_[0, np.cumsum(num_k[others])].tolist(),
         score_slots=torch.cat([padded[valid_t], other_slots]),
+        decode_write=None if write[decode].all() else torch.from_numpy(write[decode]),
+        other_write=write[others].tolist(),
     )
 
 
@@ -204,7 +214,8 @@ def cpu_token_attention(
                 probs = _probs(q, k, mask, scale)  # [Hq, Lq, Lk] fp32
                 o = probs @ _repeat_kv(v, num_q_heads).float()
                 masses.append(probs.sum(dim=(0, 1)))
-            out[q0:q1] = o.transpose(0, 1)
+            if plan.other_write[i]:
+                out[q0:q1] = o.transpose(0, 1)
     if scores is not None and masses:
         scores.add(plan.score_slots, torch.cat(masses))
 
@@ -235,7 +246,11 @@ def _decode_batched(
     logits.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
     probs = logits.softmax(dim=-1)
     o = torch.matmul(probs, v.float())  # [R, H, G, D]
-    out[plan.q_rows] = o.reshape(num_reqs, num_q_heads, head_dim).to(out.dtype)
+    o = o.reshape(num_reqs, num_q_heads, head_dim).to(out.dtype)
+    if plan.decode_write is None:
+        out[plan.q_rows] = o
+    else:
+        out[plan.q_rows[plan.decode_write]] = o[plan.decode_write]
     return probs.sum(dim=(1, 2))
 
 

@@ -26,6 +26,8 @@ from vllm.vtoken.messages import MoveBatch
 from vllm.vtoken.planner import BlockPlan, pack_request, plan_blocks
 from vllm.vtoken.request_state import NO_BLOCKS, RequestState
 
+_NEVER = 1 << 62  # a block count no request reaches
+
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -51,6 +53,7 @@ class BlockReclaimer:
         # Dense models have exactly one group (checked in VTokenConfig).
         type_mgr = kv_cache_manager.coordinator.single_type_managers[0]
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = type_mgr.req_to_blocks
+        self._num_cached_block: dict[str, int] = type_mgr.num_cached_block
         self.threshold = threshold
         self.counters = counters
         self._inflight: dict[int, MoveBatch] = {}  # batch_id -> batch
@@ -59,6 +62,16 @@ class BlockReclaimer:
 
     def positional(self, rid: str) -> list[KVCacheBlock]:
         return self.req_to_blocks[rid]
+
+    def stop_caching(self, rid: str) -> None:
+        """No more prefix-cache entries from `rid`: once it has a dead token, the
+        KV it writes was computed without those tokens, so a request that hits
+        it would read attention no model computed for it. vLLM caches a request's
+        blocks from `num_cached_block[rid]` on, so moving that past any block
+        count ends it; the blocks cached before its first eviction stay valid.
+        """
+        if rid in self._num_cached_block:  # the running-request marker stays
+            self._num_cached_block[rid] = _NEVER
 
     def free_empty_blocks(self, rid: str, rec: RequestState, dead: np.ndarray) -> None:
         """Free blocks of `rid` whose last live token just died (Naive-Evict)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
-from vllm.vtoken.policies import POLICIES
+from vllm.vtoken.policies import POLICIES, create_policy
 
 if TYPE_CHECKING:
     from vllm.vtoken.config import VTokenConfig
@@ -96,10 +96,10 @@ def request_eviction(
         )
     policy = args.get(POLICY_KEY, cfg.kv_eviction_policy)
     _check_policy(policy, cfg)
-    budget = args.get(BUDGET_KEY, cfg.kv_budget_tokens)
+    budget = args[BUDGET_KEY] if BUDGET_KEY in args else cfg.kv_budget_tokens
     if policy == OPT_OUT or budget == OPT_OUT:
         return RequestEviction(OPT_OUT, None)
-    if budget is None:
+    if budget is None and BUDGET_KEY not in args:
         raise VLLMValidationError(
             f"{POLICY_KEY}={policy!r} needs {BUDGET_KEY}: this server has no "
             "default budget (--kv-budget-tokens)",
@@ -116,6 +116,13 @@ def request_eviction(
             "(one KV block to max_model_len)",
             parameter=BUDGET_KEY,
         )
+    try:  # the knobs must suit this budget too (e.g. StreamingLLM's sinks)
+        knobs = cfg.policy_knobs() if policy == cfg.kv_eviction_policy else None
+        create_policy(policy, budget, knobs)
+    except ValueError as err:
+        raise VLLMValidationError(
+            f"{BUDGET_KEY}={budget}: {err}", parameter=BUDGET_KEY
+        ) from None
     return RequestEviction(policy, budget)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from vllm.vtoken import integrity
+from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
@@ -70,7 +71,7 @@ class VTokenScheduler:
         # (None: evict only requests that ask, request_args.py) is the default.
         policy = create_policy(
             cfg.kv_eviction_policy,
-            cfg.kv_budget_tokens or block_size,
+            cfg.kv_budget_tokens or UNBOUNDED_BUDGET,
             cfg.policy_knobs(),
         )
         self._scores = None
@@ -104,6 +105,8 @@ class VTokenScheduler:
             if rec is None or req.num_computed_tokens < req.num_prompt_tokens:
                 continue
             dead = self.runtime.enforce_budget(rid, req.num_computed_tokens)
+            if self.pool.num_live(rid) < self.pool.num_tokens(rid):
+                self.reclaimer.stop_caching(rid)  # also after a resume
             if dead.size == 0:
                 continue
             rec.dead.append(dead)

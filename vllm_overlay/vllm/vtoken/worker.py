@@ -66,12 +66,11 @@ class VTokenWorker:
         )
         self._pending: dict[int, MoveBatch] = {}
         self._acked: list[int] = []
-        self._acked_bytes = 0
         self._read: TokenRead | None = None
         self._device = device
-        # Requests whose policy reads attention scores: they always take the
-        # token read (vLLM's kernels return no probabilities). The others read
-        # through vLLM's own kernel until they have a dead token.
+        # Requests whose policy reads attention scores: the token read always
+        # covers them, for their scores (vLLM's kernels return no
+        # probabilities); their output is its only once they have a dead token.
         self._scored: dict[str, bool] = {}
 
     def begin_step(self, so: SchedulerOutput) -> None:
@@ -114,11 +113,12 @@ class VTokenWorker:
     ) -> None:
         """Slot the step's tokens and publish the live slots for attention.
 
-        Only requests with a dead token, or whose policy reads scores, take the
-        token read; with none, attention is vLLM's own. On CPU the two mix in a
-        step (vLLM's kernel runs for the batch, then the token read overwrites
-        its requests' rows); on GPU one request on the token read puts the whole
-        step on it.
+        Only requests with a dead token take their output from the token read;
+        requests whose policy reads scores are read for their attention masses
+        too. On CPU the two mix in a step: vLLM's kernel writes every row, then
+        the token read overwrites the rows of requests with a dead token (so the
+        others get vLLM's output to the bit until their first eviction). On GPU
+        one request on the token read puts the whole step on it.
         """
         B = self.block_size
         num_reqs = input_batch.num_reqs
@@ -131,11 +131,11 @@ class VTokenWorker:
             if rid not in self.pool:
                 self.pool.add_request(rid)
                 self._scored[rid] = self._reads_scores(requests[rid])
-        reads = np.fromiter(
-            (self._scored[r] or self._has_dead(r) for r in rids), bool, num_reqs
-        )
+        writes = np.fromiter((self._has_dead(r) for r in rids), bool, num_reqs)
+        scored = np.fromiter((self._scored[r] for r in rids), bool, num_reqs)
+        reads = writes | scored
         if reads.any() and self._device.type != "cpu":
-            reads[:] = True  # TODO(vtoken): mix with vLLM's kernel on GPU too
+            reads[:] = writes[:] = True  # TODO(vtoken): mix on GPU too
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         kv = [np.zeros(0, dtype=np.int64)]
         for i, rid in enumerate(rids):
@@ -164,7 +164,9 @@ class VTokenWorker:
             return  # nobody reads through the token table this step
         kv_slots = torch.from_numpy(np.concatenate(kv)).to(self._device)
         if self._device.type == "cpu":
-            plan = build_cpu_read_plan(qsl, kv_indptr, kv_slots, B, self._num_kv_heads)
+            plan = build_cpu_read_plan(
+                qsl, kv_indptr, kv_slots, B, self._num_kv_heads, write=writes
+            )
         else:
             from vllm.vtoken.triton_attention import build_triton_read_plan
 
@@ -175,7 +177,7 @@ class VTokenWorker:
             kv_slots=kv_slots,
             plan=plan,
             scores=self.scores,
-            with_stock=not reads.all(),
+            with_stock=not writes.all(),
         )
         set_token_read(self._read)
 
