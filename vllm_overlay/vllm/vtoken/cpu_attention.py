@@ -212,10 +212,11 @@ def cpu_token_attention(
                 )
             else:
                 probs = _probs(q, k, mask, scale)  # [Hq, Lq, Lk] fp32
-                o = probs @ _repeat_kv(v, num_q_heads).float()
                 masses.append(probs.sum(dim=(0, 1)))
-            if plan.other_write[i]:
-                out[q0:q1] = o.transpose(0, 1)
+                if not plan.other_write[i]:
+                    continue  # read for its scores only
+                o = probs @ _repeat_kv(v, num_q_heads).float()
+            out[q0:q1] = o.transpose(0, 1)
     if scores is not None and masses:
         scores.add(plan.score_slots, torch.cat(masses))
 
@@ -245,12 +246,13 @@ def _decode_batched(
     logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [R, H, G, W]
     logits.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
     probs = logits.softmax(dim=-1)
-    o = torch.matmul(probs, v.float())  # [R, H, G, D]
-    o = o.reshape(num_reqs, num_q_heads, head_dim).to(out.dtype)
-    if plan.decode_write is None:
-        out[plan.q_rows] = o
+    rows, w = plan.q_rows, plan.decode_write
+    if w is not None:  # rows read for their scores only get no output
+        rows, probs_w, v = rows[w], probs[w], v[w]
     else:
-        out[plan.q_rows[plan.decode_write]] = o[plan.decode_write]
+        probs_w = probs
+    o = torch.matmul(probs_w, v.float())  # [R', H, G, D]
+    out[rows] = o.reshape(len(rows), num_q_heads, head_dim).to(out.dtype)
     return probs.sum(dim=(1, 2))
 
 
