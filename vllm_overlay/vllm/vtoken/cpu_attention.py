@@ -22,14 +22,13 @@ the worker (`build_cpu_read_plan`) and shared by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from vllm.vtoken.context import TokenRead
     from vllm.vtoken.scores import ScoreAccumulator
 
 
@@ -155,7 +154,7 @@ def build_cpu_read_plan(
 
 
 def cpu_forward(
-    read: TokenRead,
+    read: Any,  # the step's context.TokenRead (not imported: context imports us)
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,

@@ -16,13 +16,10 @@ gathered live keys (`attention_mass`): the kernel returns none.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from vllm.vtoken.context import TokenRead
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ def build_triton_read_plan(
 
 
 def triton_forward(
-    read: TokenRead,
+    read: Any,  # the step's context.TokenRead (not imported: context imports us)
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     output: torch.Tensor,
