@@ -138,6 +138,7 @@ class VTokenWorker:
             reads[:] = writes[:] = True  # TODO(vtoken): mix on GPU too
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         kv = [np.zeros(0, dtype=np.int64)]
+        slotted = [np.zeros(0, dtype=np.int64)]  # this step's new slots, all
         for i, rid in enumerate(rids):
             start = self.pool.num_slotted(rid)
             nc = int(computed[i])
@@ -147,8 +148,7 @@ class VTokenWorker:
                 pos = np.arange(start, nc, dtype=np.int64)
                 new = np.concatenate([ids[pos // B] * B + pos % B, new])
             self.pool.append(rid, new)
-            if self.scores is not None:
-                self.scores.reset(torch.from_numpy(new).to(self._device))
+            slotted.append(new)
             kv_indptr[i + 1] = kv_indptr[i]
             if not reads[i]:
                 continue  # no keys: vLLM's kernel reads its positional KV
@@ -160,6 +160,10 @@ class VTokenWorker:
             slots = np.concatenate([before, self.pool.slots(rid)[nc:]])
             kv.append(slots)
             kv_indptr[i + 1] += slots.size
+        if self.scores is not None:  # new tokens in these slots: scores from 0
+            self.scores.reset(
+                torch.from_numpy(np.concatenate(slotted)).to(self._device)
+            )
         if not reads.any():
             return  # nobody reads through the token table this step
         kv_slots = torch.from_numpy(np.concatenate(kv)).to(self._device)
