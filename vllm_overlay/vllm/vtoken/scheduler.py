@@ -83,6 +83,10 @@ class VTokenScheduler:
             score_source=self._read_scores if policy.score_mode else None,
         )
         self._reqs: dict[str, RequestState] = {}
+        # Which records have step-scoped fields set (RequestState.dead,
+        # .recomputed_dead), so a step visits those only, not every request.
+        self._evicted: list[str] = []
+        self._recomputing: list[str] = []
         self.counters = VTokenCounters()
         self._last_counters = VTokenCounters()
         self.reclaimer = BlockReclaimer(
@@ -92,11 +96,14 @@ class VTokenScheduler:
     # ------------------------------------------------------------ step hooks
     def begin_step(self, running: Iterable[Request]) -> None:
         """Enforce budgets on running requests; free blocks left fully dead."""
-        for rid, rec in self._reqs.items():
-            if rec.recomputed_dead is not None:
-                if self.pool.num_slotted(rid) > 0:
-                    self.reclaimer.free_empty_blocks(rid, rec, rec.recomputed_dead)
-                rec.recomputed_dead = None
+        recomputing, self._recomputing = self._recomputing, []
+        for rid in recomputing:
+            rec = self._reqs.get(rid)
+            if rec is None or rec.recomputed_dead is None:
+                continue  # finished since
+            if self.pool.num_slotted(rid) > 0:
+                self.reclaimer.free_empty_blocks(rid, rec, rec.recomputed_dead)
+            rec.recomputed_dead = None
         for req in running:
             rid = req.request_id
             rec = self._reqs.get(rid)
@@ -105,10 +112,12 @@ class VTokenScheduler:
             if rec is None or req.num_computed_tokens < req.num_prompt_tokens:
                 continue
             dead = self.runtime.enforce_budget(rid, req.num_computed_tokens)
-            if self.pool.num_live(rid) < self.pool.num_tokens(rid):
+            if self.pool.has_dead(rid):
                 self.reclaimer.stop_caching(rid)  # also after a resume
             if dead.size == 0:
                 continue
+            if not rec.dead:
+                self._evicted.append(rid)
             rec.dead.append(dead)
             rec.dead_since_plan += dead.size
             self.counters.evicted_tokens += int(dead.size)
@@ -129,8 +138,10 @@ class VTokenScheduler:
             self.counters.planner_ns += time.perf_counter_ns() - t0
             self.counters.plan_calls += 1
         dead = {}
-        for rid, rec in self._reqs.items():
-            if rec.dead:
+        evicted, self._evicted = self._evicted, []
+        for rid in evicted:
+            rec = self._reqs.get(rid)
+            if rec is not None and rec.dead:  # else finished since
                 dead[rid] = np.concatenate(rec.dead)
                 rec.dead = []
         if not dead and moves is None:
@@ -209,6 +220,8 @@ class VTokenScheduler:
             dead = self.pool.dead_idx(rid)
             dead = dead[(dead >= start) & (dead < upto)]
             if dead.size:
+                if rec.recomputed_dead is None:
+                    self._recomputing.append(rid)
                 rec.recomputed_dead = dead
                 rec.dead_since_plan += dead.size
         B = self.block_size

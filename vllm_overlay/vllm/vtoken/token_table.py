@@ -189,6 +189,11 @@ class TokenTablePool:
         """Live tokens of the request, slotted or not (O(1))."""
         return self._tables[req_id].n_live
 
+    def has_dead(self, req_id: str) -> bool:
+        """Whether any known token of the request is dead (O(1))."""
+        t = self._tables[req_id]
+        return t.n_live < t.n_tokens
+
     def total_live(self) -> int:
         """Live tokens over all requests (O(1))."""
         return self._total_live

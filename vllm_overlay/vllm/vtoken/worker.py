@@ -131,7 +131,7 @@ class VTokenWorker:
             if rid not in self.pool:
                 self.pool.add_request(rid)
                 self._scored[rid] = self._reads_scores(requests[rid])
-        writes = np.fromiter((self._has_dead(r) for r in rids), bool, num_reqs)
+        writes = np.fromiter((self.pool.has_dead(r) for r in rids), bool, num_reqs)
         scored = np.fromiter((self._scored[r] for r in rids), bool, num_reqs)
         reads = writes | scored
         if reads.any() and self._device.type != "cpu":
@@ -194,9 +194,6 @@ class VTokenWorker:
             max_model_len=self._max_model_len,
         )
         return self.scores is not None and evict.score_mode is not None
-
-    def _has_dead(self, rid: str) -> bool:
-        return self.pool.num_live(rid) < self.pool.num_tokens(rid)
 
     def end_step(self) -> VTokenWorkerOutput:
         read, self._read = self._read, None
