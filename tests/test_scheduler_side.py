@@ -16,7 +16,7 @@ import torch
 B = 4
 
 
-def setup(reclaim: str, caching: bool = False, embeds: bool = False):
+def setup(reclaim: str, caching: bool = False, embeds: bool = False, blocks=16):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import (
@@ -33,7 +33,7 @@ def setup(reclaim: str, caching: bool = False, embeds: bool = False):
     )
     kv = KVCacheManager(
         KVCacheConfig(
-            num_blocks=16,
+            num_blocks=blocks,
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
         ),
@@ -67,15 +67,16 @@ def setup(reclaim: str, caching: bool = False, embeds: bool = False):
     return kv, VTokenScheduler(cfg, kv, B, requests), req
 
 
-def step(kv, vt, req, num_new: int, running: list):
-    """One scheduler step as the patched Scheduler runs it, with an acking worker."""
+def step(kv, vt, req, num_new: int, running: list, ack: bool = True):
+    """One scheduler step as the patched Scheduler runs it, with a worker that
+    acks its copies at once (`ack`) or keeps them in flight."""
     from vllm.vtoken.messages import VTokenWorkerOutput
 
     vt.begin_step(running)
     assert kv.allocate_slots(req, num_new) is not None
     out = vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": num_new}))
     req.num_computed_tokens += num_new
-    acked = [out.moves.batch_id] if out is not None and out.moves else []
+    acked = [out.moves.batch_id] if ack and out is not None and out.moves else []
     vt.on_output(VTokenWorkerOutput(acked_batches=acked))
     req.append_output_token_ids(7)
     vt.check_integrity()
@@ -202,19 +203,75 @@ def test_kv_written_after_the_first_eviction_is_not_cached():
     assert blocks[3].block_hash is None
 
 
-def test_compaction_destinations_leave_the_prefix_cache():
-    """A hole filled by a move changes the block's content: its hash must go;
-    the emptied source keeps its KV intact, so it stays a valid cache entry."""
+def cache_hits(kv, prompt: list[int]) -> int:
+    """Prompt tokens a new request with `prompt` finds in the prefix cache."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    hasher = get_request_block_hasher(B, sha256)
+    probe = Request(
+        "P", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher
+    )
+    return kv.get_computed_blocks(probe)[1]
+
+
+def test_cached_blocks_are_evacuated_and_stay_hittable():
+    """Compaction writes no block the prefix cache can serve: the live tokens of
+    cached blocks go to a fresh block, and the emptied blocks are freed with
+    their hashes, so the next request with the same prompt still hits them."""
     kv, vt, req = setup("vtoken", caching=True)
+    free0 = kv.block_pool.get_num_free_blocks()
     step(kv, vt, req, 12, running=[])
     b0, b1, b2 = (kv.block_pool.blocks[i] for i in kv.get_block_ids("A")[0])
+    assert cache_hits(kv, list(range(100, 113))) == 12
+    # As in test_hand_computed_step, tokens 1..6 die: b0 and b1 keep one live
+    # token each (0 and 7), b2 is full. Evacuating both into one fresh block
+    # frees one block net; nothing is written into b0, b1 or b2.
+    out = step(kv, vt, req, 1, running=[req])
+    fresh = kv.block_pool.blocks[int(out.moves.dst_slots[0]) // B]
+    assert out.moves.idx.tolist() == [0, 7]
+    assert out.moves.dst_slots.tolist() == [fresh.block_id * B, fresh.block_id * B + 1]
+    assert kv.get_block_ids("A")[0][:3] == [fresh.block_id, 0, b2.block_id]
     assert all(b.block_hash is not None for b in (b0, b1, b2))
+    assert b0.ref_cnt == b1.ref_cnt == 0  # freed, still cached
+    assert cache_hits(kv, list(range(100, 113))) == 12
+    assert kv.block_pool.get_num_free_blocks() == free0 - 3  # fresh, b2, tail
+    s = vt.make_stats([req])
+    assert (s.reclaimed_blocks, s.moved_tokens) == (1, 2)
+    assert vt.counters.evacuated_blocks == 2 and vt.counters.tight_plans == 0
+
+
+def test_an_evacuation_dropped_in_flight_frees_the_displaced_blocks():
+    """Preempted before its copies are acked: the fresh block is in the block
+    list (vLLM frees it), the source it displaced is ours to free."""
+    kv, vt, req = setup("vtoken", caching=True)
+    free0 = kv.block_pool.get_num_free_blocks()
+    step(kv, vt, req, 12, running=[])
+    step(kv, vt, req, 1, running=[req], ack=False)
+    assert len(vt._reqs["A"].move_detached) == 1
+    vt.check_integrity()  # the detached source counts as held
+    vt.on_preempt(req)
+    kv.free(req)
+    assert kv.block_pool.get_num_free_blocks() == free0
+    vt.check_integrity()
+
+
+def test_a_tight_pool_writes_cached_blocks():
+    """No fresh block to spare: memory comes first, cached blocks take moves,
+    and a destination's content changes, so its hash must go; the emptied
+    source keeps its KV intact, so it stays a valid cache entry."""
+    # 5 usable blocks: after the next step's tail, one is free, and it is
+    # kept for the next step's tokens.
+    kv, vt, req = setup("vtoken", caching=True, blocks=6)
+    step(kv, vt, req, 12, running=[])
+    b0, b1, b2 = (kv.block_pool.blocks[i] for i in kv.get_block_ids("A")[0])
     out = step(kv, vt, req, 1, running=[req])  # as in test_hand_computed_step
+    assert vt.counters.tight_plans == 1
     assert out.moves.dst_slots.tolist() == [b1.block_id * B]
     assert b1.block_hash is None  # destination: out of the cache
     assert b0.block_hash is not None and b0.ref_cnt == 0  # freed, still cached
     assert b2.block_hash is not None  # untouched
-    from vllm.v1.core.kv_cache_utils import get_block_hash
-
-    hits = kv.block_pool.get_cached_block(get_block_hash(b0.block_hash), [0])
-    assert hits is not None and hits[0] is b0
+    # The hash chain ends at b1: the probe finds b0 only.
+    assert cache_hits(kv, list(range(100, 113))) == 4

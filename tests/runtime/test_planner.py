@@ -1,10 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""plan_blocks / pack_request: exact in-place plans, a loop reference, oracle."""
+"""plan_blocks / plan_evacuation / pack_request: exact plans, loop references,
+an oracle."""
 
 import numpy as np
 import pytest
 
-from vllm.vtoken.planner import BlockPlan, pack_request, plan_blocks
+from vllm.vtoken.planner import (
+    BlockPlan,
+    pack_request,
+    plan_around_cache,
+    plan_blocks,
+)
 from vllm.vtoken.token_table import TokenTablePool
 
 B = 4
@@ -116,6 +122,119 @@ def test_matches_loop_reference(seed):
         at += n
     threshold = float(rng.choice([0.3, 0.5, 0.75, 1.0]))
     assert as_lists(plan(per_req, threshold=threshold)) == brute_force(
+        per_req, threshold
+    )
+
+
+def test_destination_priority_comes_before_density():
+    # Block 2 (3 live) is denser than block 3 (2 live), but ranked after it:
+    # the one token of block 1 goes to block 3. Without ranks, to block 2.
+    blocks = [[(1, 1), (2, 3), (3, 2)]]
+    assert as_lists(plan(blocks)) == [(0, [1], [2])]
+    prio = np.array([0, 5, 1])
+    assert as_lists(plan(blocks, dst_priority=prio)) == [(0, [1], [3])]
+    with pytest.raises(AssertionError):
+        plan(blocks, dst_priority=np.array([0, 1]))
+
+
+def around_cache(per_req, threshold=1.0):
+    """per_req: (block_id, live, cached) triples. (request, sources,
+    destinations, fresh blocks) per planned request."""
+    indptr = np.cumsum([0] + [len(r) for r in per_req])
+    flat = [p for r in per_req for p in r]
+    p = plan_around_cache(
+        req_indptr=indptr,
+        block_ids=np.array([b for b, _, _ in flat], dtype=np.int32),
+        block_live=np.array([n for _, n, _ in flat], dtype=np.int64),
+        cached=np.array([c for _, _, c in flat], dtype=bool),
+        block_size=B,
+        threshold=threshold,
+    )
+    fresh = p.num_fresh.tolist()
+    return [(*t, f) for t, f in zip(as_lists(p), fresh, strict=True)]
+
+
+def test_plans_around_the_cache_write_no_cached_block():
+    C, U = True, False
+    assert around_cache(
+        [
+            # Cached 1 and 2 (2 live each) empty into one fresh block; adding
+            # cached 3 (3 live) would take a second: no better, not taken.
+            [(3, 3, C), (1, 2, C), (2, 2, C)],
+            [(4, 3, C), (5, 3, C), (6, 3, C)],  # 3 into 3 fresh: no gain
+            [(7, 3, C), (8, 3, C), (9, 3, C), (10, 3, C)],  # 12 live: 4 into 3
+            [],
+            [(11, 0, C)],  # all dead: freed, no fresh block
+            # StreamingLLM's sinks: cached 12 (1 live) into uncached 13's hole.
+            [(12, 1, C), (13, 3, U)],
+            # Uncached only: as plan_blocks; cached 17 is never a destination.
+            [(14, 1, U), (15, 3, U), (17, 2, C)],
+            # Cached 18's token fits in uncached 19's holes: 1 freed. Adding
+            # 20 (3 live) would take a fresh block: 2 freed, 1 taken, no better.
+            [(18, 1, C), (19, 1, U), (20, 3, C)],
+        ]
+    ) == [
+        (0, [1, 2], [], 1),
+        (2, [7, 8, 9, 10], [], 3),
+        (4, [11], [], 0),
+        (5, [12], [13], 0),
+        (6, [14], [15], 0),
+        (7, [18], [19], 0),
+    ]
+    assert around_cache([[(1, 1, C), (2, 1, C)]], threshold=0.25) == []
+    assert around_cache([]) == [] and around_cache([[]]) == []
+
+
+def around_cache_reference(per_req, threshold):
+    """Loop reference: every k of cached sources, U's candidates after."""
+    out = []
+    for r, blocks in enumerate(per_req):
+        cand = [(n, i, b, c) for i, (b, n, c) in enumerate(blocks) if n / B < threshold]
+        cc, uc = sorted(x for x in cand if x[3]), sorted(x for x in cand if not x[3])
+        holes_u = sum(B - n for _, n, c in blocks if not c)
+        best = None
+        for k in range(len(cc) + 1):
+            m = sum(x[0] for x in cc[:k])
+            k_u = min(len(uc), max(0, holes_u - m) // B)
+            fresh = -(-max(0, m - holes_u) // B)
+            if best is None or k + k_u - fresh > best[0]:
+                best = (k + k_u - fresh, cc[:k] + uc[:k_u], fresh)
+        gain, srcs, fresh = best
+        if gain < 1:
+            continue
+        need = sum(x[0] for x in srcs)
+        names = {x[2] for x in srcs}
+        dst = sorted(
+            (B - n, i, b)
+            for i, (b, n, c) in enumerate(blocks)
+            if not c and b not in names and n < B
+        )
+        used = []
+        for h, _, b in dst:
+            if need <= 0:
+                break
+            used.append(b)
+            need -= h
+        out.append((r, [x[2] for x in srcs], used, fresh))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_plan_around_cache_matches_loop_reference(seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(400)
+    per_req, at = [], 0
+    for _ in range(rng.integers(1, 12)):
+        n = int(rng.integers(0, 15))
+        per_req.append(
+            [
+                (int(b), int(rng.integers(0, B + 1)), bool(rng.random() < 0.6))
+                for b in ids[at : at + n]
+            ]
+        )
+        at += n
+    threshold = float(rng.choice([0.3, 0.5, 0.75, 1.0]))
+    assert around_cache(per_req, threshold) == around_cache_reference(
         per_req, threshold
     )
 

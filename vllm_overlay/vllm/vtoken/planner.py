@@ -2,15 +2,17 @@
 """Reclamation planner: which blocks to empty, and where their live tokens go.
 
 Scheduler side; pure functions, no state, no Python loop over blocks or tokens
-(the paper names planner CPU time as vToken's dominant cost). Two stages:
+(the paper names planner CPU time as vToken's dominant cost). Three calls:
 
 1. `plan_blocks` (all requests at once): per request, the sparsest blocks whose
-   live tokens fit into the holes of the request's other blocks.
-2. `pack_request` (per planned request): move those live tokens, in logical
-   order, into the holes, densest destination block first.
+   live tokens fit into the holes of the request's other blocks (in place).
+2. `plan_around_cache` (all requests at once): the same, but no block the
+   prefix cache can serve is written; fresh blocks take what holes cannot.
+3. `pack_request` (per planned request): move those live tokens, in logical
+   order, into the holes, first destination block first.
 
-Compaction is in place: a request's dead slots are its destinations, so a plan
-never takes a block from the pool and can never push another request into
+In place, a request's dead slots are its destinations, so such a plan never
+takes a block from the pool and can never push another request into
 preemption. Holes are where evicted tokens were (or the never-written end of a
 block an earlier plan filled); the tail block being written, blocks shared with
 the prefix cache and blocks with a copy in flight are never sources or
@@ -22,6 +24,16 @@ destinations. Example, block_size 4, one request, one block's worth of holes::
 Emptying k blocks needs k * block_size holes among the request's blocks, so the
 plan frees floor(holes / block_size) blocks (capped by the candidates below the
 threshold): as many as any packing can, without a destination from the pool.
+
+A block the prefix cache can serve (it has a hash) stops being servable once a
+move writes into it, and so does every later block of the chain (a block's hash
+chains on its predecessor's). Evacuation keeps them servable: their live tokens
+go to fresh blocks, and the emptied blocks return to vLLM's free queue with
+their hash and KV intact, hittable until the pool reuses them (docs/DESIGN.md
+§3.4)::
+
+    cached  block 7: [ a  x  b  x ]   block 3: [ x  d  x  c ]
+    after   fresh 12: [ a  b  d  c ]  blocks 7, 3 freed, still in the cache
 """
 
 from __future__ import annotations
@@ -43,11 +55,12 @@ class BlockPlan:
     src_block_ids: np.ndarray  # int32 [S]: blocks to empty, freed once acked
     dst_indptr: np.ndarray  # int64 [K + 1]: CSR into dst_block_ids
     dst_block_ids: np.ndarray  # int32 [D]: blocks with holes, densest first
+    num_fresh: np.ndarray  # int64 [K]: fresh blocks after the destinations
 
     @property
     def blocks_freed(self) -> int:
-        """Blocks returned to the pool once every plan is acknowledged."""
-        return int(self.src_block_ids.size)
+        """Blocks returned to the pool, net, once every plan is acknowledged."""
+        return int(self.src_block_ids.size - self.num_fresh.sum())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +107,7 @@ def plan_blocks(
     block_live: np.ndarray,
     block_size: int,
     threshold: float,
+    dst_priority: np.ndarray | None = None,
 ) -> BlockPlan:
     """Greedy in-place choice of blocks to compact.
 
@@ -102,8 +116,9 @@ def plan_blocks(
     ties keep input order), k = min(candidates, H // block_size); the k blocks'
     live tokens then fit into the holes of the others. Requests with k = 0 get
     no plan. The destinations are the request's other eligible blocks with a
-    hole, densest first (ties keep input order), as many as the moved tokens
-    need: holes gather in fewer blocks, so the next plan moves less.
+    hole, lowest `dst_priority` first, then densest (ties keep input order),
+    as many as the moved tokens need: holes gather in fewer blocks, so the next
+    plan moves less.
 
     Args:
         req_indptr: int [R + 1] CSR over requests of their eligible blocks (the
@@ -113,6 +128,8 @@ def plan_blocks(
         block_live: int [N] live tokens of each entry of block_ids.
         block_size: Tokens per block (> 0).
         threshold: Utilization below which a block is a candidate, in (0, 1].
+        dst_priority: int [N] optional: destinations with a lower value are
+            filled first (the caller ranks prefix-cached blocks last).
 
     Returns:
         The plan; requests without a plan are absent.
@@ -144,7 +161,9 @@ def plan_blocks(
     src = np.flatnonzero(is_src)
     src = src[np.lexsort((live[src], req[src]))]
     dst = np.flatnonzero(~is_src & planned[req] & (live < block_size))
-    dst = dst[np.lexsort((block_size - live[dst], req[dst]))]
+    prio = np.zeros_like(live) if dst_priority is None else np.asarray(dst_priority)
+    assert prio.shape == live.shape, (prio.shape, live.shape)
+    dst = dst[np.lexsort((block_size - live[dst], prio[dst], req[dst]))]
     # Only as many destinations as the moved tokens need, densest first.
     need = np.bincount(req[src], weights=live[src], minlength=num_req)
     before = _cumsum_before_in_group(req[dst], block_size - live[dst], num_req)
@@ -156,6 +175,7 @@ def plan_blocks(
         src_block_ids=ids[src].astype(np.int32),
         dst_indptr=_csr(req[dst], req_index),
         dst_block_ids=ids[dst].astype(np.int32),
+        num_fresh=np.zeros(req_index.size, dtype=np.int64),
     )
 
 
@@ -173,6 +193,105 @@ def _empty_plan() -> BlockPlan:
         src_block_ids=none,
         dst_indptr=np.zeros(1, np.int64),
         dst_block_ids=none,
+        num_fresh=np.zeros(0, np.int64),
+    )
+
+
+def plan_around_cache(
+    *,
+    req_indptr: np.ndarray,
+    block_ids: np.ndarray,
+    block_live: np.ndarray,
+    cached: np.ndarray,
+    block_size: int,
+    threshold: float,
+) -> BlockPlan:
+    """Like `plan_blocks`, but no cached block is a destination.
+
+    Per request, with U its uncached blocks (H_U holes, c_U candidates) and its
+    cached candidates sorted sparsest first: emptying the first k cached ones
+    (m live tokens) into U's holes, and fresh blocks past them, frees
+
+        gain(k) = k + min(c_U, floor(max(0, H_U - m) / B)) - ceil(max(0, m - H_U) / B)
+
+    blocks: the k, plus U's sparsest candidates that the holes left over can
+    take, minus the fresh blocks. The plan takes the shortest k with the
+    largest gain, if that gain is at least one block; k = 0 is `plan_blocks`
+    over U alone.
+
+    Args:
+        req_indptr, block_ids, block_live, block_size, threshold: as plan_blocks.
+        cached: bool [N]: blocks the prefix cache can serve.
+
+    Returns:
+        The plan; `num_fresh` fresh blocks follow each request's destinations.
+    """
+    assert 0.0 < threshold <= 1.0 and block_size > 0, (threshold, block_size)
+    B, indptr = block_size, np.asarray(req_indptr, dtype=np.int64)
+    ids, cached = np.asarray(block_ids), np.asarray(cached, dtype=bool)
+    live = np.asarray(block_live, dtype=np.int64)
+    assert live.shape == ids.shape == cached.shape, (ids.shape, cached.shape)
+    if integrity.CHECK:
+        _check_csr(indptr, ids.size)
+    num_req = indptr.size - 1
+    req = np.repeat(np.arange(num_req, dtype=np.int64), np.diff(indptr))
+    cand = live / B < threshold
+    holes_u = np.bincount(req[~cached], weights=B - live[~cached], minlength=num_req)
+    holes_u = holes_u.astype(np.int64)
+    cand_u = np.bincount(req[cand & ~cached], minlength=num_req)
+
+    def gain(k, m, r):
+        slack = holes_u[r] - m
+        return (
+            k
+            + np.minimum(cand_u[r], np.maximum(slack, 0) // B)
+            - -(-np.maximum(-slack, 0) // B)
+        )
+
+    # Cached candidates, sparsest first per request; k = rank + 1 of each.
+    cc = np.flatnonzero(cand & cached)
+    order = cc[np.lexsort((live[cc], req[cc]))]  # stable
+    o_req, o_live = req[order], live[order]
+    rank = _cumsum_before_in_group(o_req, np.ones_like(o_req), num_req)
+    m = _cumsum_before_in_group(o_req, o_live, num_req) + o_live
+    g = gain(rank + 1, m, o_req)
+    top = np.lexsort((rank, -g, o_req))  # per request: best gain, then shortest
+    if top.size:
+        top = top[np.r_[True, np.diff(o_req[top]) != 0]]
+    k_c, m_c = np.zeros(num_req, np.int64), np.zeros(num_req, np.int64)
+    better = top[g[top] > gain(0, 0, o_req[top])]
+    k_c[o_req[better]], m_c[o_req[better]] = rank[better] + 1, m[better]
+    total = gain(k_c, m_c, np.arange(num_req))
+    planned = total >= 1
+    k_u = np.where(planned, np.minimum(cand_u, np.maximum(holes_u - m_c, 0) // B), 0)
+    k_c = np.where(planned, k_c, 0)
+    # Sources: the k_c sparsest cached and the k_u sparsest uncached candidates.
+    uc = np.flatnonzero(cand & ~cached)
+    u_order = uc[np.lexsort((live[uc], req[uc]))]
+    u_rank = _cumsum_before_in_group(req[u_order], np.ones_like(u_order), num_req)
+    is_src = np.zeros(ids.size, dtype=bool)
+    is_src[order[rank < k_c[o_req]]] = True
+    is_src[u_order[u_rank < k_u[req[u_order]]]] = True
+    if not planned.any():
+        return _empty_plan()
+    src = np.flatnonzero(is_src)
+    src = src[np.lexsort((live[src], ~cached[src], req[src]))]  # cached first
+    # Destinations: uncached non-sources with a hole, densest first, as many as
+    # the moved tokens need; fresh blocks take what they cannot.
+    dst = np.flatnonzero(~is_src & ~cached & planned[req] & (live < B))
+    dst = dst[np.lexsort((B - live[dst], req[dst]))]
+    need = np.bincount(req[src], weights=live[src], minlength=num_req)
+    before = _cumsum_before_in_group(req[dst], B - live[dst], num_req)
+    dst = dst[before < need[req[dst]]]
+    req_index = np.flatnonzero(planned)
+    fresh = -(-np.maximum(m_c - holes_u, 0) // B)
+    return BlockPlan(
+        req_index=req_index,
+        src_indptr=_csr(req[src], req_index),
+        src_block_ids=ids[src].astype(np.int32),
+        dst_indptr=_csr(req[dst], req_index),
+        dst_block_ids=ids[dst].astype(np.int32),
+        num_fresh=fresh[req_index],
     )
 
 
@@ -194,8 +313,8 @@ def pack_request(
         live_idx: int [n] logical indices of live tokens, ascending.
         live_slots: int [n] their slots.
         src_block_ids: int [S] blocks to empty.
-        dst_block_ids: int [D] blocks whose holes receive the tokens, none of
-            them a source.
+        dst_block_ids: int [D] blocks whose holes receive the tokens (fresh
+            blocks too), none of them a source.
         block_size: Tokens per block.
 
     Returns:

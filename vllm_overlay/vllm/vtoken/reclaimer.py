@@ -7,9 +7,18 @@ positional block list, then `BlockPool.free_blocks`):
   naive-evict   a block whose last live token died is freed at once
                 (`free_empty_blocks`);
   compaction    the planner (planner.py) picks blocks to empty into the
-                request's own holes; `plan` turns that into one `MoveBatch` for
-                the worker, and the sources are freed once the worker has copied
+                request's own holes, or prefix-cached blocks to evacuate into
+                fresh ones; `plan` turns that into one `MoveBatch` for the
+                worker, and the sources are freed once the worker has copied
                 them (`release_sources`, from `VTokenScheduler.apply_moves`).
+
+A fresh block takes an evacuated source's place in the positional list at
+once (vLLM frees it with the request); the source it displaced is held by the
+batch alone until then (`RequestState.move_detached`)::
+
+    req_to_blocks[rid]  [b7, b3, b9, b4]   b7, b3 cached, evacuated into fresh b12
+    planned             [b12, b3, b9, b4]  b7 detached, held by the batch
+    acknowledged        [b12, null, b9, b4]  b7, b3 freed with their hashes
 
 A block with a copy in flight (source or destination) is never freed or planned
 again until its batch is acknowledged (`_busy`).
@@ -17,13 +26,18 @@ again until its batch is acknowledged (`_busy`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm.vtoken.messages import MoveBatch
-from vllm.vtoken.planner import BlockPlan, pack_request, plan_blocks
+from vllm.vtoken.planner import (
+    BlockPlan,
+    pack_request,
+    plan_around_cache,
+    plan_blocks,
+)
 from vllm.vtoken.request_state import NO_BLOCKS, RequestState
 
 _NEVER = 1 << 62  # a block count no request reaches
@@ -120,7 +134,10 @@ class BlockReclaimer:
         """The request's part of its acknowledged batch: free the sources."""
         self._unbusy(rec.move_batch, [b.block_id for b in rec.move_src])
         self.release_blocks(rid, rec, rec.move_src)
+        # The fresh blocks that replaced displaced sources were taken from the pool.
+        self.counters.reclaimed_blocks -= len(rec.move_detached)
         rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
+        rec.move_detached = []
 
     def drop_moves(self, rec: RequestState) -> None:
         """Forget a request's in-flight moves; vLLM frees its blocks next.
@@ -132,7 +149,11 @@ class BlockReclaimer:
             return
         self._unbusy(rec.move_batch, [b.block_id for b in rec.move_src])
         self._unbusy(rec.move_batch, rec.move_dst)
+        # vLLM frees the request's positional blocks, the fresh ones included;
+        # the sources they displaced are held by nobody else.
+        self.block_pool.free_blocks(rec.move_detached)
         rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
+        rec.move_detached = []
 
     def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
         for b in block_ids:
@@ -143,12 +164,18 @@ class BlockReclaimer:
         self,
         reqs: dict[str, RequestState],
         requests: dict[str, Request],
-        scheduled: Iterable[str],
+        scheduled: Collection[str],
     ) -> MoveBatch | None:
-        """In-place compaction of the scheduled requests with a block's worth of
-        evictions since they were last planned (planner.py)."""
+        """Compaction of the scheduled requests with a block's worth of
+        evictions since they were last planned (planner.py).
+
+        Blocks the prefix cache can serve are evacuated into fresh blocks
+        rather than written, while the pool has the fresh blocks to spare;
+        otherwise memory comes first and they are destinations too, the end of
+        their hash chain first (docs/DESIGN.md §3.4).
+        """
         B = self.block_size
-        rids, indptr, cand = [], [0], []
+        rids, indptr, cand, pos, cached = [], [0], [], [], []
         for rid, rec in reqs.items():
             req = requests.get(rid)
             if rec.dead_since_plan < B or req is None or rid not in scheduled:
@@ -161,50 +188,75 @@ class BlockReclaimer:
             rec.dead_since_plan = 0
             # Full blocks written before this step; the tail is being filled.
             nfull = req.num_computed_tokens // B
-            cand.extend(
-                b.block_id
-                for b in self.positional(rid)[:nfull]
-                if not b.is_null and b.ref_cnt == 1
-            )
+            for i, b in enumerate(self.positional(rid)[:nfull]):
+                if not b.is_null and b.ref_cnt == 1:
+                    cand.append(b.block_id)
+                    pos.append(i)
+                    cached.append(b.block_hash is not None)
             rids.append(rid)
             indptr.append(len(cand))
         if not cand:
             return None
-        block_ids = np.asarray(cand, dtype=np.int32)
-        plan = plan_blocks(
+        ids = np.asarray(cand, dtype=np.int32)
+        live, pos = self.pool.block_live[ids], np.asarray(pos, dtype=np.int64)
+        is_cached = np.asarray(cached, dtype=bool)
+        common = dict(
             req_indptr=np.asarray(indptr, dtype=np.int64),
-            block_ids=block_ids,
-            block_live=self.pool.block_live[block_ids],
+            block_ids=ids,
+            block_live=live,
             block_size=B,
             threshold=self.threshold,
         )
+        plan = None
+        if is_cached.any():
+            plan = plan_around_cache(cached=is_cached, **common)
+            # Fresh blocks come back as sources within a step or two; keep one
+            # block per scheduled request for the next step's tokens.
+            spare = self.block_pool.get_num_free_blocks() - len(scheduled)
+            if int(plan.num_fresh.sum()) > spare:
+                plan = None
+                self.counters.tight_plans += 1
+        if plan is None:
+            # Uncached holes first, then cached ones from the chain's end.
+            prio = np.where(is_cached, 1 + pos.max() - pos, 0)
+            plan = plan_blocks(dst_priority=prio, **common)
         if len(plan.req_index) == 0:
             return None
-        return self._bind(plan, [reqs[rid] for rid in rids], rids)
+        position = dict(zip(ids.tolist(), pos.tolist(), strict=True))
+        return self._bind(plan, [reqs[rid] for rid in rids], rids, position)
 
     def _bind(
-        self, plan: BlockPlan, recs: list[RequestState], rids: list[str]
+        self,
+        plan: BlockPlan,
+        recs: list[RequestState],
+        rids: list[str],
+        position: dict[int, int],
     ) -> MoveBatch | None:
         """Turn a block plan into slot moves; free blocks that need none."""
         B = self.block_size
         by_id = self.block_pool.blocks
         batch_id = self._next_batch_id
+        fresh = self.block_pool.get_new_blocks(int(plan.num_fresh.sum()))
+        at = np.r_[0, np.cumsum(plan.num_fresh)]
         out_rids, indptr, idx, src, dst = [], [0], [], [], []
         for k, r in enumerate(plan.req_index):
-            rid = rids[r]
+            rid, rec = rids[r], recs[r]
             src_ids = plan.src_block_ids[plan.src_indptr[k] : plan.src_indptr[k + 1]]
+            new = fresh[at[k] : at[k + 1]]
+            dst_ids = np.r_[
+                plan.dst_block_ids[plan.dst_indptr[k] : plan.dst_indptr[k + 1]],
+                [b.block_id for b in new],
+            ]
             m = pack_request(
                 live_idx=self.pool.live_idx(rid),
                 live_slots=self.pool.live_slots(rid),
                 src_block_ids=src_ids,
-                dst_block_ids=plan.dst_block_ids[
-                    plan.dst_indptr[k] : plan.dst_indptr[k + 1]
-                ],
+                dst_block_ids=dst_ids,
                 block_size=B,
             )
             src_blocks = [by_id[int(b)] for b in src_ids]
             if m.idx.size == 0:  # every token already dead: free right away
-                self.release_blocks(rid, recs[r], src_blocks)
+                self.release_blocks(rid, rec, src_blocks)
                 continue
             dst_ids = np.unique(m.dst_slots // B)
             # A destination's content changes: it must leave the prefix cache
@@ -212,8 +264,14 @@ class BlockReclaimer:
             self.block_pool.evict_blocks(set(dst_ids.tolist()))
             self._busy.update((int(b), batch_id) for b in src_ids)
             self._busy.update((int(b), batch_id) for b in dst_ids)
-            rec = recs[r]
             rec.move_batch, rec.move_src, rec.move_dst = batch_id, src_blocks, dst_ids
+            # Cached sources come first in a plan around the cache.
+            rec.move_detached = self._swap_in(
+                rid, new, src_blocks[: len(new)], position
+            )
+            self.counters.evacuated_blocks += sum(
+                b.block_hash is not None for b in src_blocks
+            )
             out_rids.append(rid)
             idx.append(m.idx)
             src.append(m.src_slots)
@@ -232,3 +290,18 @@ class BlockReclaimer:
         self._inflight[batch_id] = batch
         self._next_batch_id += 1
         return batch
+
+    def _swap_in(
+        self,
+        rid: str,
+        fresh: list[KVCacheBlock],
+        displaced: list[KVCacheBlock],
+        position: dict[int, int],
+    ) -> list[KVCacheBlock]:
+        """Put each fresh block where an evacuated source was in the positional
+        list, so that vLLM frees it with the request; the displaced sources
+        are then held by the batch alone (RequestState.move_detached)."""
+        positional = self.positional(rid)
+        for new, old in zip(fresh, displaced, strict=True):
+            positional[position[old.block_id]] = new
+        return displaced

@@ -38,3 +38,6 @@ class RequestState:
     move_batch: int | None = None
     move_src: list[KVCacheBlock] = field(default_factory=list)
     move_dst: np.ndarray = field(default_factory=lambda: NO_BLOCKS)
+    # Evacuated sources a fresh block displaced from the positional list: the
+    # batch alone holds them (reclaimer.py), so vLLM's free does not see them.
+    move_detached: list[KVCacheBlock] = field(default_factory=list)

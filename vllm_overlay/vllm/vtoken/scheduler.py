@@ -12,7 +12,8 @@ a block in the middle of a request (sliding window's `remove_skipped_blocks`):
 
 Compaction is in place (see planner.py): live tokens move into the request's own
 dead slots, so block tables stay positional and append-only for vLLM, and a
-plan never takes a block from the pool.
+plan never takes a block from the pool, except to keep prefix-cached blocks
+servable: those are evacuated into fresh blocks while the pool has them spare.
 
 Per step (all in the scheduler process, before the worker runs):
   begin_step   policies evict over budget; blocks left with no live token are
@@ -286,6 +287,9 @@ class VTokenScheduler:
         holders = np.zeros_like(ref)
         for rid, blocks in self.reclaimer.req_to_blocks.items():
             ids = [b.block_id for b in blocks if not b.is_null]
+            rec = self._reqs.get(rid)
+            if rec is not None:  # evacuated sources, held until acked
+                ids += [b.block_id for b in rec.move_detached]
             np.add.at(holders, np.asarray(ids, dtype=np.int64), 1)
             if rid in self.pool:
                 held = np.zeros(len(ref), dtype=bool)

@@ -21,6 +21,8 @@ class VTokenCounters:
     copy_bytes: int = 0  # KV bytes written by acknowledged moves
     planner_ns: int = 0  # CPU time spent planning compaction
     plan_calls: int = 0  # steps that ran the planner
+    evacuated_blocks: int = 0  # prefix-cached blocks emptied, freed with their hash
+    tight_plans: int = 0  # plans that wrote cached blocks: no fresh ones to spare
 
     def minus(self, other: VTokenCounters) -> VTokenCounters:
         return VTokenCounters(
