@@ -212,12 +212,37 @@ def planner_section(d: dict, img: str = "") -> list[str]:
     return out
 
 
+def prefix_section(d: dict, img: str) -> list[str]:
+    out = [
+        "## Prefix caching under compaction",
+        "",
+        f"`{d['command']}` ({d['date']}). {d['requests']} requests one at a time "
+        f"asking 32 tokens after a shared {d['prompt_len']}-token head (prefix) or "
+        f"the previous turn (chat); {d['gen_len']} generated, H2O budget {d['budget']}."
+        " Hit rate: vLLM's `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`.",
+        "",
+        "| workload | mode | hit rate | of native's | retained blocks (mean, peak) "
+        "| cached blocks evacuated | plans that wrote cached blocks |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for key, r in d["results"].items():
+        kind, mode = key.split("/")
+        native = d["results"][f"{kind}/native"]["hit_rate"]
+        out.append(
+            f"| {kind} | {mode} | {r['hit_rate']:.3f} | {r['hit_rate'] / native:.2f} "
+            f"| {r['retained_blocks']:.1f}, {r['peak_blocks']} "
+            f"| {r['evacuated_blocks']} | {r['tight_plans']} |"
+        )
+    return out + [""]
+
+
 SECTIONS = [
     ("memory", memory_section),
     ("capacity*", capacity_section),
     ("sla", sla_section),
     ("overhead", overhead_section),
     ("planner", planner_section),
+    ("prefix", prefix_section),
 ]
 
 

@@ -4,10 +4,11 @@
     python scripts/bench_vtoken.py memory      # one experiment
 
 Experiments (docs/RESULTS.md says what each measures and how): memory, capacity,
-sla and overhead. Each writes docs/bench/<name>.json and, but for overhead, a
-PNG; scripts/bench_report.py turns the JSON into docs/RESULTS.md. Engine runs
-are scripts/engine_driver.py processes; `--model`, `--engine-json` and the sizes
-let the same script run on a GPU with a 7B/8B model (bench_gpu.sh does).
+sla, overhead and prefix. Each writes docs/bench/<name>.json and, but for
+overhead and prefix, a PNG; scripts/bench_report.py turns the JSON into
+docs/RESULTS.md. Engine runs are scripts/engine_driver.py processes; `--model`,
+`--engine-json` and the sizes let the same script run on a GPU with a 7B/8B
+model (bench_gpu.sh does).
 """
 
 import argparse
@@ -36,6 +37,7 @@ MODES = [
 ]
 RECLAIMS = ("naive", "vtoken")  # the memory experiment runs every policy in both
 COUNTERS = ("evicted_tokens", "moved_tokens", "reclaimed_blocks")
+PREFIX_COUNTERS = ("evacuated_blocks", "tight_plans", "moved_tokens")
 SLA_FIELDS = ("output_throughput", "p95_e2el_ms", "p50_e2el_ms", "completed")
 
 
@@ -351,11 +353,37 @@ def cmd_overhead(args) -> dict:
     }
 
 
+def cmd_prefix(args) -> dict:
+    """Prefix-cache hits under eviction, one request at a time: "prefix" asks 32
+    tokens after a shared --prompt-len head, "chat" after the previous turn's
+    prompt and output (hits / prompt tokens, as vLLM's prefix_cache metrics)."""
+    out = {}
+    for kind in ("prefix", "chat"):
+        wave = workload(args, args.requests + 1, args.prompt_len)
+        wave["turns"] = {"kind": kind, "prefix": args.prompt_len, "ask": 32}
+        for mode, policy, reclaim in MODES:
+            eng = {"enable_prefix_caching": True, "max_model_len": 2048}
+            eng = engine_args(args, **eng, **policy_args(policy, args.budget, reclaim))
+            run = run_driver({"engine": eng, **wave})
+            hits, asked = sum(run["cached_tokens"].values()), sum(run["prompt_lens"])
+            held = [sum(s["held"].values()) for s in run["steps"] if s["running"]]
+            counters = run["counters"] or dict.fromkeys(PREFIX_COUNTERS, 0)
+            out[f"{kind}/{mode}"] = r = {
+                "hit_rate": hits / asked,
+                "retained_blocks": statistics.fmean(held),
+                "peak_blocks": max(held),
+                **{k: counters[k] for k in PREFIX_COUNTERS},
+            }
+            print(f"prefix {kind:6s} {mode:7s} {r}")
+    return {**pick(args, "prompt_len", "gen_len", "budget", "requests"), "results": out}
+
+
 EXPERIMENTS = {  # name: (run, plot or None)
     "memory": (cmd_memory, plot_memory),
     "capacity": (cmd_capacity, plot_capacity),
     "sla": (cmd_sla, plot_sla),
     "overhead": (cmd_overhead, None),
+    "prefix": (cmd_prefix, None),
 }
 
 

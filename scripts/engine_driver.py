@@ -15,6 +15,9 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
     max_tokens  generation length (int, or one per prompt); EOS is ignored
     arrivals, aborts, extra_args   optional, per request: the step it is added
                 at (default 0), {index: step} to abort it, SamplingParams.extra_args
+    turns       {"kind": "prefix" or "chat", "prefix": P, "ask": A}: one request
+                at a time; request i asks prompt i + 1 cut to A after prompt 0 cut
+                to P ("prefix"), or after request i - 1's prompt and output
   histogram   record, every step, how many held blocks have 0..B live tokens
   count_calls  count the Python and C calls engine steps make (slower)
   search      {"lo": a, "hi": b, "wave": W}: instead, bisect on one engine for
@@ -226,14 +229,20 @@ class Driver:
             prompts = random_prompts(self.tok, **wave["random"])
         elif "sharegpt" in wave:
             prompts = sharegpt_prompts(self.tok, **wave["sharegpt"])
+        arrivals = wave.get("arrivals") or [0] * len(prompts)
+        if turns := wave.get("turns"):
+            head, asks = prompts[0][: turns["prefix"]], prompts[1:]
+            asks = [ask[: turns["ask"]] for ask in asks]
+            prompts = [head + ask for ask in asks]
+            arrivals = [0] + [-1] * (len(asks) - 1)  # set as each turn ends
         pool = sched.kv_cache_manager.block_pool
         lengths = wave["max_tokens"]
         if isinstance(lengths, int):
             lengths = [lengths] * len(prompts)
-        arrivals = wave.get("arrivals") or [0] * len(prompts)
         extra = wave.get("extra_args") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (wave.get("aborts") or {}).items()}
         free_start, outputs, finish_t, steps = pool.get_num_free_blocks(), {}, {}, []
+        cached = {}
         self.counts.update(preemptions=0, max_scheduled=0)
         t0, added = time.monotonic(), 0
         while added < len(prompts) or engine.has_unfinished_requests():
@@ -255,6 +264,11 @@ class Driver:
                 rid = out.request_id.removeprefix(tag)
                 outputs[rid] = list(out.outputs[0].token_ids)
                 finish_t[rid] = time.monotonic() - t0
+                cached[rid] = out.num_cached_tokens  # prefix-cache hits
+                if turns and (i := int(rid) + 1) < len(prompts):
+                    arrivals[i] = step + 1
+                    if turns["kind"] == "chat":
+                        prompts[i] = prompts[i - 1] + outputs[rid] + asks[i]
             t, free = time.monotonic() - t0, pool.get_num_free_blocks()
             state = dict(step=step, t=t, free=free, running=len(sched.running))
             steps.append(block_state(sched, histogram) | state)
@@ -271,6 +285,7 @@ class Driver:
             **self.counts,
             "generate_s": time.monotonic() - t0,
             "finish_t": finish_t,
+            "cached_tokens": cached,
             # All requests ran in one step at some point, and none was preempted.
             "sustained": self.counts["preemptions"] == 0
             and self.counts["max_scheduled"] == len(prompts),
