@@ -126,6 +126,25 @@ def test_unsupported_combination_names_what_and_why():
 
 
 @pytest.mark.parametrize(
+    "model_kind, what",
+    [("multimodal", "multimodal models"), ("encoder-decoder", "encoder-decoder")],
+)
+def test_models_the_read_was_not_built_for_are_refused(model_kind, what):
+    """SmolLM2 is neither, so its model config is made to say it is."""
+    from types import SimpleNamespace
+
+    vllm_config = make_config(kv_eviction_policy="h2o", kv_budget_tokens=64)
+    model = vllm_config.model_config
+    if model_kind == "multimodal":
+        model.multimodal_config = SimpleNamespace()
+    else:
+        model.hf_config.is_encoder_decoder = True
+        model.__dict__.pop("is_encoder_decoder", None)  # a cached_property
+    with pytest.raises(ValueError, match=f"does not support {what}"):
+        vllm_config.vtoken_config.verify_and_update_config(vllm_config)
+
+
+@pytest.mark.parametrize(
     "flags, line",
     [
         (

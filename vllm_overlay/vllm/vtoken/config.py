@@ -163,6 +163,14 @@ class VTokenConfig:
                 refuse("sliding-window attention", "its window is positional")
             if model.is_hybrid or model.use_mla or model.is_attention_free:
                 refuse("hybrid, MLA or attention-free models", "one KV layout only")
+            if model.is_encoder_decoder:
+                refuse("encoder-decoder models", "cross-attention KV is not a token")
+            if model.is_multimodal_model:
+                refuse(
+                    "multimodal models",
+                    "untested: a policy would evict image and audio tokens one "
+                    "by one, and their prefix-cache keys are the media's hashes",
+                )
             if not model.disable_cascade_attn:
                 model.disable_cascade_attn = True
         sched = vllm_config.scheduler_config
