@@ -154,6 +154,23 @@ def test_persistence_counts_steps_at_or_above_uniform_attention():
         acc.finish_step(slots, 1, norm=0.0)
 
 
+def test_windowed_persistence_is_a_moving_average_of_importance():
+    acc = ScoreAccumulator(8, "persistence", window=4)
+    slots = torch.tensor([1, 2])
+    # norm 1, 1 query, 2 keys: important iff mass >= 0.5.
+    for important in ([1, 0], [1, 0], [1, 1], [0, 1], [0, 1]):
+        acc.add(slots, torch.tensor(important, dtype=torch.float32))
+        acc.finish_step(slots, 1, norm=1.0)
+    ema = np.zeros(2)
+    for important in ([1, 0], [1, 0], [1, 1], [0, 1], [0, 1]):
+        ema += (np.array(important) - ema) / 4
+    np.testing.assert_allclose(acc.scores(np.array([1, 2])), ema, rtol=1e-6)
+    with pytest.raises(AssertionError):
+        ScoreAccumulator(8, "persistence", window=0)
+    with pytest.raises(AssertionError):
+        ScoreAccumulator(8, "sum", window=4)
+
+
 def test_move_and_reset_follow_tokens():
     acc = ScoreAccumulator(8, "sum")
     acc.add(torch.arange(8), torch.arange(8, dtype=torch.float32))

@@ -5,9 +5,11 @@ import pathlib
 
 import numpy as np
 import pytest
+import torch
 
 from vllm.vtoken.eviction import request_rng
 from vllm.vtoken.policies import POLICIES, RequestView, create_policy
+from vllm.vtoken.scores import ScoreAccumulator
 
 POLICY_DIR = (
     pathlib.Path(__file__).resolve().parents[2] / "vllm_overlay/vllm/vtoken/policies"
@@ -126,6 +128,13 @@ def test_random_is_deterministic_per_seed_and_request():
     assert np.unique(a).size == 30 and a.tolist() == sorted(a.tolist())
 
 
+def ema_of_rates(important, age, window):
+    """The worker's windowed score of a token important `important` times in
+    `age` steps at a steady rate: rate * (1 - (1 - 1/w)^age)."""
+    age = np.asarray(age, dtype=np.float64)
+    return np.asarray(important) / age * (1 - (1 - 1 / window) ** age)
+
+
 def test_scissorhands_evicts_the_persistently_unimportant():
     policy = create_policy("scissorhands", 8, {"recent_ratio": 0.25})  # 2 recent
     v = view(np.zeros(0), rid="s")
@@ -134,8 +143,10 @@ def test_scissorhands_evicts_the_persistently_unimportant():
         policy.sync_new_tokens(v, 1)
     idx = np.arange(10)
     # Ages (steps attended): 0-5 -> 5, 6 -> 4, 7 -> 3, 8 -> 2, 9 -> 1.
+    age = [5] * 6 + [4, 3, 2, 1]
     important = [5, 0, 4, 1, 5, 2, 0, 3, 0, 0]
-    out = policy.evict_token(view(idx, scores=important, rid="s"), 3)
+    scores = ema_of_rates(important, age, 400)
+    out = policy.evict_token(view(idx, scores=scores, rid="s"), 3)
     # Unimportant counts: 1 -> 5, 6 -> 4, 3 -> 4, 5 -> 3 ...; 8, 9 are recent.
     assert sorted(out.tolist()) == [1, 3, 6]
     # A 2-step window caps the counts at 2: 1, 6 and the young 8 (never
@@ -144,11 +155,53 @@ def test_scissorhands_evicts_the_persistently_unimportant():
     short.sync_new_tokens(v, 6)
     for _ in range(4):
         short.sync_new_tokens(v, 1)
-    out = short.evict_token(view(idx, scores=important, rid="s"), 3)
+    scores = ema_of_rates(important, age, 2)
+    out = short.evict_token(view(idx, scores=scores, rid="s"), 3)
     assert sorted(out.tolist()) == [1, 6, 8]
     policy.release("s")
     with pytest.raises(KeyError):
-        policy.evict_token(view(idx, scores=important, rid="s"), 1)
+        policy.evict_token(view(idx, scores=scores, rid="s"), 1)
+
+
+def scissorhands_run(policy, rid, steps, importance):
+    """`steps` decode steps of one request through the worker's real score
+    fold: importance(step) -> bool [n] for the tokens [0, n) of that step."""
+    acc = ScoreAccumulator(4096, "persistence", window=policy.score_window)
+    v = view(np.zeros(0), rid=rid)
+    for step in range(steps):
+        policy.sync_new_tokens(v, 1)
+        imp = np.asarray(importance(step), dtype=np.float32)
+        slots = torch.arange(imp.size)
+        acc.add(slots, torch.from_numpy(imp))  # 1 query, norm 1, n keys
+        acc.finish_step(slots, 1, norm=1.0, num_keys=1)
+    return acc
+
+
+def test_scissorhands_forgets_importance_older_than_its_window():
+    """Token 0 was important for its first 1,500 steps, never after; token 1
+    on 60% of the steps, lately too. Over the last 400 steps token 0 is the
+    unimportant one (a lifetime rate, 0.75 against 0.6, kept it)."""
+    policy = create_policy("scissorhands", 8, {"recent_ratio": 0})
+    acc = scissorhands_run(
+        policy, "w", 2000, lambda s: [s < 1500, s % 5 < 3] + [True] * (s - 1)
+    )
+    scores = acc.scores(np.arange(2))
+    out = policy.evict_token(view([0, 1], scores=scores, rid="w"), 1)
+    assert out.tolist() == [0]
+
+
+def test_scissorhands_restarts_ages_with_the_scores_after_a_preemption():
+    """Preempted at step 100: its slots, and with them its scores, start over.
+    Since the resume token 0 was important at every step, token 103 (3 steps
+    old) never: 103 goes. Counting token 0's age from its birth would read its
+    rate as 6 / 106 and evict it first (oldest first until counts rebuild)."""
+    policy = create_policy("scissorhands", 8, {"recent_ratio": 0})
+    scissorhands_run(policy, "p", 100, lambda s: [True] * (s + 1))
+    policy.reset_scores("p")  # VTokenScheduler.on_preempt
+    acc = scissorhands_run(policy, "p", 6, lambda s: [True] + [False] * (100 + s))
+    idx = np.array([0, 103])
+    out = policy.evict_token(view(idx, scores=acc.scores(idx), rid="p"), 1)
+    assert out.tolist() == [103]
 
 
 @pytest.mark.parametrize(

@@ -141,6 +141,12 @@ class EvictionRuntime:
         self._check_answer(r.policy, view, chosen, excess)
         return self.pool.evict(req_id, chosen)
 
+    def reset_scores(self, req_id: str) -> None:
+        """A preempted request's scores start over (its slots are reset)."""
+        r = self._reqs.get(req_id)
+        if r is not None and r.policy is not None:
+            r.policy.reset_scores(req_id)
+
     def release(self, req_id: str) -> None:
         """Forgets a finished or aborted request (pool, generator, policy state)."""
         self.pool.release(req_id)

@@ -184,15 +184,18 @@ class VTokenScheduler:
     def on_preempt(self, req: Request) -> None:
         """Before vLLM frees a preempted request's blocks.
 
-        What goes: the slots (every block is freed next), the in-flight moves,
-        the freed-block count. What stays: the logical dead set (in the Token
-        Table; the resume skips those tokens), this step's dead list (the
-        worker's table must learn it too) and the count since the last plan.
+        What goes: the slots (every block is freed next) and with them the
+        scores (the worker resets a slot's score when a token takes it), the
+        in-flight moves, the freed-block count. What stays: the logical dead
+        set (in the Token Table; the resume skips those tokens), this step's
+        dead list (the worker's table must learn it too) and the count since
+        the last plan.
         """
         rec = self._reqs.get(req.request_id)
         if rec is None:
             return
         self.pool.reset_slots(req.request_id)
+        self.runtime.reset_scores(req.request_id)
         self.reclaimer.drop_moves(rec)
         rec.nulls = 0
 

@@ -11,8 +11,10 @@ Per step and request: `add` once per layer with the attention mass each key
 received, then `finish_step` once to fold the step into the running score:
 
     "sum"          acc += mass / (num_layers * num_heads)         (H2O)
-    "persistence"  acc += 1 if mass / (norm * num_queries) >= 1 / num_keys
-                   (the token was important this step; Scissorhands)
+    "persistence"  imp = 1 if mass / (norm * num_queries) >= 1 / num_keys
+                   (the token was important this step; Scissorhands), then
+                   acc += (imp - acc) / window: the moving average of imp
+                   over `window` steps (acc += imp without a window)
 """
 
 from __future__ import annotations
@@ -27,18 +29,26 @@ class ScoreAccumulator:
     """Running attention scores, one float32 per physical slot."""
 
     def __init__(
-        self, num_slots: int, mode: str, device: str | torch.device = "cpu"
+        self,
+        num_slots: int,
+        mode: str,
+        device: str | torch.device = "cpu",
+        window: int | None = None,
     ) -> None:
         """Allocates zeroed buffers.
 
         Args:
             num_slots: num_blocks * block_size.
-            mode: "sum" (accumulated attention mass) or "persistence" (steps
-                in which the token was important).
+            mode: "sum" (accumulated attention mass) or "persistence" (how
+                often the token was important).
             device: Where the buffers live (the KV cache's device).
+            window: "persistence": average importance over this many steps
+                (>= 1); None counts the steps.
         """
         assert mode in SCORE_MODES and num_slots > 0, (mode, num_slots)
+        assert window is None or (mode == "persistence" and window >= 1), window
         self.mode = mode
+        self.window = window
         self.device = torch.device(device)
         self.acc = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
         self._step = torch.zeros_like(self.acc)  # this step's mass, not yet folded
@@ -85,6 +95,8 @@ class ScoreAccumulator:
                 num_queries, self.device
             )
             gain = important.to(torch.float32)
+            if self.window is not None:  # a moving average, not a count
+                gain = (gain - self.acc[idx]) / self.window
         self.acc.index_add_(0, idx, gain)
         self._step[idx] = 0.0
 

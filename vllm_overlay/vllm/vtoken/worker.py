@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
 from vllm.vtoken.cpu_attention import build_cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
-from vllm.vtoken.policies import POLICIES
+from vllm.vtoken.policies import create_policy
 from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.token_table import TokenTablePool
@@ -49,9 +50,12 @@ class VTokenWorker:
         device = kv_caches[0].device
         num_blocks = kv_caches[0].shape[1 if device.type == "cpu" else 0]
         self.pool = TokenTablePool(num_blocks, B)
-        mode = POLICIES[cfg.kv_eviction_policy].score_mode
+        policy = create_policy(
+            cfg.kv_eviction_policy, UNBOUNDED_BUDGET, cfg.policy_knobs()
+        )
+        mode, window = policy.score_mode, policy.score_window
         self.scores = (
-            ScoreAccumulator(num_blocks * B, mode, device=device) if mode else None
+            ScoreAccumulator(num_blocks * B, mode, device, window) if mode else None
         )
         layout = "cpu" if device.type == "cpu" else "triton"
         # CPU cache [2, N, H, B, D]: the read plan addresses V rows per KV head.

@@ -60,6 +60,8 @@ class EvictionPolicy(ABC):
     name: ClassVar[str]
     score_mode: ClassVar[str | None] = None
     defaults: ClassVar[dict[str, Any]] = {}
+    # Steps a "persistence" score averages over (None: it counts forever).
+    score_window: int | None = None
 
     def __init__(self, budget: int, **knobs: Any) -> None:
         """Builds the policy.
@@ -106,6 +108,10 @@ class EvictionPolicy(ABC):
             int64 logical indices: exactly `num_evict` distinct evictable
             entries of `req.live_idx`, or all evictable ones if fewer exist.
         """
+
+    def reset_scores(self, req_id: str) -> None:  # noqa: B027
+        """The request's scores start over from zero (it was preempted: its
+        tokens get new slots when it resumes). Default: no-op."""
 
     def release(self, req_id: str) -> None:  # noqa: B027
         """Forgets per-request state (default: none kept)."""

@@ -12,16 +12,14 @@ from vllm.vtoken.policies import base
 class ScissorhandsPolicy(base.EvictionPolicy):
     """Keep pivotal tokens, by the persistence of importance.
 
-    Liu et al., "Scissorhands: Exploiting the Persistence of Importance
-    Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 2023, arXiv
-    2305.17118. A token is important at a step when its attention probability
-    (mean over layers, heads and queries) is >= 1/t, t = keys attended: the
-    paper's uniform-attention threshold; the score is the number of steps it
-    was important ("persistence" mode of `ScoreAccumulator`). The paper evicts,
-    outside a recent window, the tokens that were unimportant most often in the
-    last w steps. One counter per slot cannot window exactly, so we estimate that
-    count as min(age, w) * (1 - important / age), age = steps since the token
-    arrived (one `sync_new_tokens` call per step). Ties go oldest first.
+    Liu et al. 2023, arXiv 2305.17118. A token is important at a step when its
+    attention probability (mean over layers, heads, queries) is >= 1/t, t =
+    keys attended. Outside a recent window, evict the tokens unimportant most
+    often in the last w steps: the worker keeps a moving average of importance
+    over w steps (`ScoreAccumulator`, window w), which from zero has seen
+    1 - (1 - 1/w)^age of its weight (age: steps since the token came, or since
+    a preemption restarted the scores), so the count is min(age, w) * (1 -
+    score / that). Ties go oldest first.
 
     Knobs:
         recent_ratio: recent window r as a fraction of the budget, in [0, 1];
@@ -35,7 +33,7 @@ class ScissorhandsPolicy(base.EvictionPolicy):
 
     def _validate(self) -> None:
         self.recent = round(self._ratio("recent_ratio") * self.budget)
-        self.window = self._int("history_window", 1)
+        self.window = self.score_window = self._int("history_window", 1)
         self._state: dict[str, tuple[int, np.ndarray, int]] = {}  # step, born, n
 
     def sync_new_tokens(self, req: base.RequestView, num_new: int) -> None:
@@ -50,10 +48,16 @@ class ScissorhandsPolicy(base.EvictionPolicy):
             raise ValueError("scissorhands needs persistence scores")
         step, born, _ = self._state[req.req_id]
         age = step - born[req.live_idx] + 1
-        rate = np.minimum(req.scores / age, 1.0)
+        seen = 1.0 - (1.0 - 1.0 / self.window) ** age
+        rate = np.minimum(req.scores / seen, 1.0)
         unimportant = np.minimum(age, self.window) * (1.0 - rate)
         protected = base.recent_mask(req, self.recent)
         return base.select_lowest(req, num_evict, -unimportant, protected)
+
+    def reset_scores(self, req_id: str) -> None:
+        if req_id in self._state:  # else old tokens' rates read as ~0
+            step, born, n = self._state[req_id]
+            born[:n] = step
 
     def release(self, req_id: str) -> None:
         self._state.pop(req_id, None)
