@@ -60,3 +60,49 @@ _CHILD = """
 
 def test_cpu_and_triton_reads_agree_under_interpreter():
     run_under_interpreter(_CHILD, "TOKEN-READ-OK")
+
+
+_MIXED = """
+    from vllm.vtoken.context import TokenRead
+    from vllm.vtoken.scores import ScoreAccumulator
+    from vllm.vtoken.triton_attention import build_triton_read_plan, triton_forward
+
+    gen = torch.Generator().manual_seed(5)
+    N, H, Hq, B, D = 10, 2, 4, 16, 32
+    lens, q_lens = [37, 12, 20], [1, 5, 20]
+    slots = torch.randperm(N * B, generator=gen)[: sum(lens)]
+    tri = torch.zeros(N, 2, B, H, D)
+    n, b = slots // B, slots % B
+    tri[n, 0, b] = torch.randn(len(slots), H, D, generator=gen)
+    tri[n, 1, b] = torch.randn(len(slots), H, D, generator=gen)
+    indptr = np.concatenate([[0], np.cumsum(lens)])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    q = torch.randn(int(qsl[-1]), Hq, D, generator=gen)
+    outs, accs = [], []
+    # Every request on the read; then request 1 read for its scores only, its
+    # rows holding what vLLM's kernel wrote before (here 7.0).
+    for write in (np.ones(3, bool), np.array([True, False, True])):
+        scores = ScoreAccumulator(N * B, "sum")
+        plan = build_triton_read_plan(qsl, indptr, slots, B, write)
+        read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
+                         plan=plan, scores=scores, with_stock=not write.all())
+        out = torch.full((len(q), Hq * D), 7.0)
+        triton_forward(read, q, tri, out, D ** -0.5)
+        scores.finish_step(slots, 1, 1.0 * Hq)
+        outs.append(out)
+        accs.append(scores.scores(slots.numpy()))
+    mine = slice(qsl[1], qsl[2])
+    assert (outs[1][mine] == 7.0).all()
+    others = torch.ones(len(q), dtype=torch.bool)
+    others[mine] = False
+    torch.testing.assert_close(outs[1][others], outs[0][others], atol=0, rtol=0)
+    np.testing.assert_array_equal(accs[1], accs[0])  # request 1 is scored still
+    # No request writes: the kernel is skipped, scores are still read.
+    plan = build_triton_read_plan(qsl, indptr, slots, B, np.zeros(3, bool))
+    assert plan.token_table is None and plan.rows.numel() == 0
+    print("MIXED-READ-OK")
+"""
+
+
+def test_gpu_read_overwrites_only_the_rows_of_requests_with_a_dead_token():
+    run_under_interpreter(_MIXED, "MIXED-READ-OK")

@@ -36,8 +36,7 @@ class TokenRead:
     reads it; one with keys but no dead token is read for its scores only.
     `with_stock` says some request takes its output from vLLM's kernel: the
     backend then runs that kernel for the batch first, and the token read
-    overwrites the rows of the requests with a dead token (CPU only; on GPU
-    every request is on the read).
+    overwrites the rows of the requests with a dead token.
     """
 
     query_start_loc: np.ndarray  # int64 [num_reqs + 1]

@@ -24,11 +24,13 @@ import torch
 
 @dataclass(frozen=True)
 class TritonReadPlan:
-    """One step's read on TRITON_ATTN, shared by every layer."""
+    """One step's read on TRITON_ATTN, shared by every layer: the requests
+    that take their output from it (those with a dead token), compacted."""
 
-    token_table: torch.Tensor  # [R, W] int32 row ids (build_token_table)
-    live_lens: torch.Tensor  # [R] int32
-    query_start_loc: torch.Tensor  # [R + 1] int32, on the device
+    token_table: torch.Tensor | None  # [R', W] int32 row ids; None: no request
+    live_lens: torch.Tensor  # [R'] int32
+    query_start_loc: torch.Tensor  # [R' + 1] int32, on the device
+    rows: torch.Tensor | None  # int64 their query rows in the step; None: all
     max_query_len: int
     max_live_len: int
     block_size: int
@@ -39,21 +41,47 @@ def build_triton_read_plan(
     kv_indptr: np.ndarray,
     kv_slots: torch.Tensor,
     block_size: int,
+    write: np.ndarray | None = None,
 ) -> TritonReadPlan:
-    """See `TokenRead` for the arguments; tensors go to `kv_slots`'s device."""
-    lens = np.diff(kv_indptr)
-    qlens = np.diff(query_start_loc)
-    width = max(64, -(-int(lens.max()) // 64) * 64)
-    table, live_lens = build_token_table(kv_indptr, kv_slots, block_size, width)
-    qsl = torch.from_numpy(query_start_loc.astype(np.int32)).to(kv_slots.device)
+    """See `TokenRead` for the arguments; tensors go to `kv_slots`'s device.
+
+    `write` (bool [R], default all): the requests whose output the read
+    writes; the others (read for their scores only, or not at all) take vLLM's
+    kernel output, which the backend computes for the whole batch first.
+    """
+    lens, qlens = np.diff(kv_indptr), np.diff(query_start_loc)
+    sel = lens > 0 if write is None else np.asarray(write, bool) & (lens > 0)
+    dev, rows = kv_slots.device, None
+    if not sel.all():  # compact the writing requests: query rows and keys
+        idx = np.flatnonzero(sel)
+        rows = torch.from_numpy(_ranges(query_start_loc[idx], qlens[idx])).to(dev)
+        keys = torch.from_numpy(_ranges(kv_indptr[idx], lens[idx])).to(dev)
+        kv_slots, lens, qlens = kv_slots[keys], lens[idx], qlens[idx]
+    qsl, kv_indptr = np.r_[0, np.cumsum(qlens)], np.r_[0, np.cumsum(lens)]
+    table = None
+    if lens.size:
+        width = max(64, -(-int(lens.max()) // 64) * 64)
+        table, live = build_token_table(kv_indptr, kv_slots, block_size, width)
+    else:
+        live = torch.zeros(0, dtype=torch.int32, device=dev)
     return TritonReadPlan(
         token_table=table,
-        live_lens=live_lens,
-        query_start_loc=qsl,
-        max_query_len=int(qlens.max()),
-        max_live_len=int(lens.max()),
+        live_lens=live,
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+        rows=rows,
+        max_query_len=int(qlens.max(initial=0)),
+        max_live_len=int(lens.max(initial=0)),
         block_size=block_size,
     )
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """int64: the concatenation of [starts[i], starts[i] + counts[i])."""
+    total = int(counts.sum())
+    offset = np.repeat(
+        np.asarray(starts, np.int64) - np.r_[0, np.cumsum(counts)[:-1]], counts
+    )
+    return offset + np.arange(total, dtype=np.int64)
 
 
 def triton_forward(
@@ -63,27 +91,36 @@ def triton_forward(
     output: torch.Tensor,
     scale: float,
 ) -> None:
-    """TRITON_ATTN's forward with vToken on: the step's read over live tokens."""
-    assert not read.with_stock, "on GPU the token read covers the whole step"
+    """TRITON_ATTN's forward with vToken on: the step's read over live tokens.
+
+    With `read.with_stock` vLLM's kernel has written every row already; the
+    read overwrites the rows of the requests with a dead token.
+    """
     plan = read.plan
     num_tokens, num_heads, head_dim = query.shape
-    triton_token_attention(
-        query,
-        kv_cache,
-        output.view(num_tokens, num_heads, head_dim),
-        query_start_loc=plan.query_start_loc,
-        token_table=plan.token_table,
-        live_lens=plan.live_lens,
-        max_query_len=plan.max_query_len,
-        max_live_len=plan.max_live_len,
-        scale=scale,
-    )
+    out = output.view(num_tokens, num_heads, head_dim)
+    if plan.token_table is not None:
+        q = query if plan.rows is None else query[plan.rows]
+        o = out if plan.rows is None else torch.empty_like(q)
+        triton_token_attention(
+            q,
+            kv_cache,
+            o,
+            query_start_loc=plan.query_start_loc,
+            token_table=plan.token_table,
+            live_lens=plan.live_lens,
+            max_query_len=plan.max_query_len,
+            max_live_len=plan.max_live_len,
+            scale=scale,
+        )
+        if plan.rows is not None:
+            out[plan.rows] = o
     if read.scores is None:
         return
     B = plan.block_size
     for r in range(len(read.kv_indptr) - 1):
         q0, q1 = read.query_start_loc[r], read.query_start_loc[r + 1]
-        if q1 == q0:
+        if q1 == q0 or read.kv_indptr[r] == read.kv_indptr[r + 1]:
             continue
         slots = read.kv_slots[read.kv_indptr[r] : read.kv_indptr[r + 1]]
         keys = kv_cache[slots // B, 0, slots % B]

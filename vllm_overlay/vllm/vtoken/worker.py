@@ -119,10 +119,9 @@ class VTokenWorker:
 
         Only requests with a dead token take their output from the token read;
         requests whose policy reads scores are read for their attention masses
-        too. On CPU the two mix in a step: vLLM's kernel writes every row, then
-        the token read overwrites the rows of requests with a dead token (so the
-        others get vLLM's output to the bit until their first eviction). On GPU
-        one request on the token read puts the whole step on it.
+        too. The two mix in a step: vLLM's kernel writes every row, then the
+        token read overwrites the rows of requests with a dead token (so the
+        others get vLLM's output to the bit until their first eviction).
         """
         B = self.block_size
         num_reqs = input_batch.num_reqs
@@ -138,8 +137,6 @@ class VTokenWorker:
         writes = np.fromiter((self.pool.has_dead(r) for r in rids), bool, num_reqs)
         scored = np.fromiter((self._scored[r] for r in rids), bool, num_reqs)
         reads = writes | scored
-        if reads.any() and self._device.type != "cpu":
-            reads[:] = writes[:] = True  # TODO(vtoken): mix on GPU too
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         kv = [np.zeros(0, dtype=np.int64)]
         slotted = [np.zeros(0, dtype=np.int64)]  # this step's new slots, all
@@ -178,7 +175,7 @@ class VTokenWorker:
         else:
             from vllm.vtoken.triton_attention import build_triton_read_plan
 
-            plan = build_triton_read_plan(qsl, kv_indptr, kv_slots, B)
+            plan = build_triton_read_plan(qsl, kv_indptr, kv_slots, B, writes)
         self._read = TokenRead(
             query_start_loc=qsl,
             kv_indptr=kv_indptr,
