@@ -144,6 +144,60 @@ def test_models_the_read_was_not_built_for_are_refused(model_kind, what):
         vllm_config.vtoken_config.verify_and_update_config(vllm_config)
 
 
+def test_an_fp8_kv_cache_is_refused():
+    with pytest.raises(Exception, match="does not support --kv-cache-dtype fp8"):
+        make_config(kv_eviction_policy="h2o", kv_budget_tokens=64, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (lambda c: setattr(c.pass_config, "fuse_attn_quant", True), "fuse_attn_quant"),
+        (lambda c: setattr(c, "splitting_ops", ["vllm::foo"]), "splitting_ops"),
+    ],
+)
+def test_cuda_graphs_that_would_capture_attention_are_refused(change, what):
+    """The CUDA-only check, run on this CPU config: either setting would put
+    vLLM's attention inside a CUDA graph, replaying reads of freed blocks."""
+    vllm_config = make_config(kv_eviction_policy="h2o", kv_budget_tokens=64)
+    change(vllm_config.compilation_config)
+
+    def refuse(what: str, why: str):
+        raise ValueError(f"does not support {what}: {why}")
+
+    with pytest.raises(ValueError, match=what):
+        type(vllm_config.vtoken_config)._use_triton_attention(vllm_config, refuse)
+
+
+@pytest.mark.parametrize(
+    "impl, what",
+    [
+        ({"alibi_slopes": [0.5]}, "ALiBi slopes"),
+        ({"logits_soft_cap": 30.0}, "logit soft-capping"),
+        ({"sinks": [0.0]}, "attention sinks"),
+    ],
+)
+def test_attention_the_read_does_not_implement_is_refused(impl, what):
+    from types import SimpleNamespace
+
+    from vllm.vtoken.worker import refuse_unsupported_attention
+
+    plain = {"alibi_slopes": None, "logits_soft_cap": 0, "sinks": None}
+    layers = {
+        "model.layers.0.attn": SimpleNamespace(impl=SimpleNamespace(**plain)),
+        "model.layers.1.attn": SimpleNamespace(impl=SimpleNamespace(**plain | impl)),
+        "model.layers.0.mlp.experts": SimpleNamespace(),  # not attention
+    }
+    vllm_config = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        vtoken_config=SimpleNamespace(kv_eviction_policy="h2o"),
+    )
+    with pytest.raises(ValueError, match=f"{what} \\(layer model.layers.1.attn\\)"):
+        refuse_unsupported_attention(vllm_config)
+    del layers["model.layers.1.attn"]
+    refuse_unsupported_attention(vllm_config)  # plain attention passes
+
+
 @pytest.mark.parametrize(
     "flags, line",
     [

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
+# vLLM's attention ops; one of them must split CUDA graphs (run eagerly).
+_ATTENTION_OPS = ("vllm::unified_attention", "vllm::unified_attention_with_output")
 
 UNBOUNDED_BUDGET = 2**31 - 1
 EvictionPolicyName = Literal["none", "h2o", "streamingllm", "scissorhands", "random"]
@@ -147,6 +149,12 @@ class VTokenConfig:
             )
         if envs.VLLM_USE_V2_MODEL_RUNNER:
             refuse("VLLM_USE_V2_MODEL_RUNNER=1", "vToken hooks the V1 model runner")
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype != "auto":
+            refuse(
+                f"--kv-cache-dtype {cache_dtype}",
+                "the token read and the KV copy handle the model's dtype only",
+            )
         model = vllm_config.model_config
         budget = self.kv_budget_tokens
         if model is not None and budget is not None and budget >= model.max_model_len:
@@ -195,6 +203,19 @@ class VTokenConfig:
                 "the token-level read runs on TRITON_ATTN (any page size)",
             )
         compilation = vllm_config.compilation_config
+        if compilation.pass_config.fuse_attn_quant:
+            refuse(
+                "-cc.pass_config.fuse_attn_quant=true",
+                "fused attention is captured in a CUDA graph, which would replay "
+                "vLLM's read of every block, freed ones included",
+            )
+        ops = compilation.splitting_ops
+        if ops is not None and not set(ops) & set(_ATTENTION_OPS):
+            refuse(
+                f"splitting_ops {ops}",
+                "without attention among them a CUDA graph captures vLLM's "
+                "attention, which would read freed blocks",
+            )
         mode = compilation.cudagraph_mode
         if mode is None or mode.has_full_cudagraphs():
             # Attention is a splitting op: piecewise graphs run it eagerly, so

@@ -43,8 +43,32 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 
+def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
+    """Start-up check of the model's attention layers: the token read
+    implements plain causal attention only, and would silently drop these."""
+    layers = vllm_config.compilation_config.static_forward_context
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        found = [
+            what
+            for what, used in (
+                ("ALiBi slopes", getattr(impl, "alibi_slopes", None) is not None),
+                ("logit soft-capping", bool(getattr(impl, "logits_soft_cap", 0))),
+                ("attention sinks", getattr(impl, "sinks", None) is not None),
+            )
+            if used
+        ]
+        if found:
+            raise ValueError(
+                f"--kv-eviction-policy {vllm_config.vtoken_config.kv_eviction_policy}"
+                f" does not support {' and '.join(found)} (layer {name}): the "
+                "token-level attention read does not implement them."
+            )
+
+
 class VTokenWorker:
     def __init__(self, vllm_config: VllmConfig, kv_caches: list[torch.Tensor]) -> None:
+        refuse_unsupported_attention(vllm_config)
         self.cfg = cfg = vllm_config.vtoken_config
         self.block_size = B = vllm_config.cache_config.block_size
         device = kv_caches[0].device
