@@ -225,11 +225,11 @@ def prefix_section(d: dict, img: str) -> list[str]:
         "| cached blocks evacuated | plans that wrote cached blocks |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for key, r in d["results"].items():
-        kind, mode = key.split("/")
-        native = d["results"][f"{kind}/native"]["hit_rate"]
+    for key, r in d["results"].items():  # key: workload/mode
+        native = d["results"][key.split("/")[0] + "/native"]["hit_rate"]
         out.append(
-            f"| {kind} | {mode} | {r['hit_rate']:.3f} | {r['hit_rate'] / native:.2f} "
+            f"| {key.replace('/', ' | ')} | {r['hit_rate']:.3f} "
+            f"| {r['hit_rate'] / native:.2f} "
             f"| {r['retained_blocks']:.1f}, {r['peak_blocks']} "
             f"| {r['evacuated_blocks']} | {r['tight_plans']} |"
         )

@@ -3,12 +3,11 @@
     scripts/bench_all.sh                       # the whole CPU-sized suite + report
     python scripts/bench_vtoken.py memory      # one experiment
 
-Experiments (docs/RESULTS.md says what each measures and how): memory, capacity,
-sla, overhead and prefix. Each writes docs/bench/<name>.json and, but for
-overhead and prefix, a PNG; scripts/bench_report.py turns the JSON into
-docs/RESULTS.md. Engine runs are scripts/engine_driver.py processes; `--model`,
-`--engine-json` and the sizes let the same script run on a GPU with a 7B/8B
-model (bench_gpu.sh does).
+Experiments (EXPERIMENTS; docs/RESULTS.md says what each measures) write
+docs/bench/<name>.json (and a PNG where they plot); scripts/bench_report.py
+turns them into docs/RESULTS.md. Engines run as scripts/engine_driver.py
+processes; `--model`, `--engine-json` and the sizes let the same script run a
+7B/8B model on a GPU (bench_gpu.sh does).
 """
 
 import argparse
@@ -265,11 +264,10 @@ def cmd_sla(args) -> dict:
         ok = [r["output_throughput"] for r in runs if r["p95_e2el_ms"] <= sla]
         best[mode] = max(ok, default=0.0)
     return {
-        **pick(args, "rates", "pool", "budget"),
+        **pick(args, "rates", "pool", "budget", "num_prompts", "gen_len", "prompts"),
         "sla_p95_ms": sla,
         "best_throughput": best,
         "results": results,
-        **pick(args, "num_prompts", "gen_len", "prompts"),
     }
 
 
@@ -367,12 +365,11 @@ def cmd_prefix(args) -> dict:
             run = run_driver({"engine": eng, **wave})
             hits, asked = sum(run["cached_tokens"].values()), sum(run["prompt_lens"])
             held = [sum(s["held"].values()) for s in run["steps"] if s["running"]]
-            counters = run["counters"] or dict.fromkeys(PREFIX_COUNTERS, 0)
             out[f"{kind}/{mode}"] = r = {
                 "hit_rate": hits / asked,
                 "retained_blocks": statistics.fmean(held),
                 "peak_blocks": max(held),
-                **{k: counters[k] for k in PREFIX_COUNTERS},
+                **{k: (run["counters"] or {}).get(k, 0) for k in PREFIX_COUNTERS},
             }
             print(f"prefix {kind:6s} {mode:7s} {r}")
     return {**pick(args, "prompt_len", "gen_len", "budget", "requests"), "results": out}

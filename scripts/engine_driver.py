@@ -18,7 +18,8 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
     turns       {"kind": "prefix" or "chat", "prefix": P, "ask": A}: one request
                 at a time; request i asks prompt i + 1 cut to A after prompt 0 cut
                 to P ("prefix"), or after request i - 1's prompt and output
-  histogram   record, every step, how many held blocks have 0..B live tokens
+  histogram, record_dead   record how many held blocks have 0..B live tokens
+              (every step), each request's evicted tokens (as of its last step)
   count_calls  count the Python and C calls engine steps make (slower)
   search      {"lo": a, "hi": b, "wave": W}: instead, bisect on one engine for
               the largest N in [a, b] such that workload W with N prompts runs
@@ -208,7 +209,6 @@ class Driver:
         llm = LLM(**{**defaults, **engine_args})
         self.engine, self.tok = llm.llm_engine, llm.get_tokenizer()
         self.sched = self.engine.engine_core.engine_core.scheduler
-        self.counts = {"preemptions": 0, "max_scheduled": 0}
         schedule = self.sched.schedule
 
         def counting_schedule():
@@ -242,8 +242,8 @@ class Driver:
         extra = wave.get("extra_args") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (wave.get("aborts") or {}).items()}
         free_start, outputs, finish_t, steps = pool.get_num_free_blocks(), {}, {}, []
-        cached = {}
-        self.counts.update(preemptions=0, max_scheduled=0)
+        cached, dead, vt = {}, {}, getattr(sched, "vtoken", None)
+        self.counts = {"preemptions": 0, "max_scheduled": 0}
         t0, added = time.monotonic(), 0
         while added < len(prompts) or engine.has_unfinished_requests():
             step = len(steps)
@@ -269,6 +269,8 @@ class Driver:
                     arrivals[i] = step + 1
                     if turns["kind"] == "chat":
                         prompts[i] = prompts[i - 1] + outputs[rid] + asks[i]
+            for r in sched.running if wave.get("record_dead") and vt else ():
+                dead[r.request_id] = vt.pool.dead_idx(r.request_id)
             t, free = time.monotonic() - t0, pool.get_num_free_blocks()
             state = dict(step=step, t=t, free=free, running=len(sched.running))
             steps.append(block_state(sched, histogram) | state)
@@ -286,6 +288,7 @@ class Driver:
             "generate_s": time.monotonic() - t0,
             "finish_t": finish_t,
             "cached_tokens": cached,
+            "dead": {k[len(tag) :].split("-")[0]: v.tolist() for k, v in dead.items()},
             # All requests ran in one step at some point, and none was preempted.
             "sustained": self.counts["preemptions"] == 0
             and self.counts["max_scheduled"] == len(prompts),

@@ -50,3 +50,40 @@ def test_a_chat_turn_hits_the_previous_prompt(engine):
         assert hits[str(i)] == lens[i - 1] // 16 * 16  # the previous prompt
         # Native: the answer too, but for its last token (sampled, never run).
         assert native_hits[str(i)] == (lens[i - 1] + 47) // 16 * 16
+
+
+def isolation_spec(policy: str, share: bool) -> dict:
+    """C runs alone and finishes; A starts; mid-flight, B arrives with 192 of
+    its 256 prompt tokens found in the prefix cache: A's blocks (`share`), or
+    the finished C's (the control: the same batch shapes, nothing of A's)."""
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    c, a = (rng.integers(100, 40_000, 256).tolist() for _ in range(2))
+    b = (a if share else c)[:192] + rng.integers(100, 40_000, 64).tolist()
+    return {
+        "engine": {
+            "enable_prefix_caching": True,
+            "kv_eviction_policy": policy,
+            "kv_budget_tokens": 96,
+            "kv_reclaim": "naive",  # A keeps its prompt blocks: B shares them
+        },
+        "prompts": [c, a, b],
+        "max_tokens": [4, 40, 16],
+        "arrivals": [0, 8, 14],
+        "record_dead": True,
+    }
+
+
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands"])
+def test_a_request_sharing_prefix_blocks_leaves_the_owner_scores_alone(engine, policy):
+    """A's scores come from A's queries only: whether B reads A's prefix
+    blocks or C's, A evicts the same tokens. (With scores per KV slot, B's
+    prefix hit reset A's scores on the shared slots and B's attention was
+    added to them.)"""
+    shared = engine(isolation_spec(policy, share=True))
+    control = engine(isolation_spec(policy, share=False))
+    for run in (shared, control):
+        assert run["cached_tokens"]["2"] == 192  # B hit A's blocks, or C's
+    assert len(shared["dead"]["1"]) > 256 - 96
+    assert shared["dead"]["1"] == control["dead"]["1"]

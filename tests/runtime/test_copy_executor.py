@@ -65,17 +65,6 @@ def make_plan(rng, num_slots, block, num_moves):
     return src.astype(np.int64), dst.astype(np.int64)
 
 
-class FakeScores:
-    def __init__(self):
-        self.moves = []
-
-    def add(self, slots, mass):
-        raise AssertionError("the executor never adds scores")
-
-    def move(self, src, dst):
-        self.moves.append((src.tolist(), dst.tolist()))
-
-
 def check_plan_applied(before, after, layout, src, dst):
     for old, new in zip(before, after, strict=True):
         assert torch.equal(
@@ -104,8 +93,7 @@ def test_random_plans_move_bytes_exactly(layout, dtype):
     rng = np.random.default_rng(7)
     block = 16
     caches = make_caches(layout, dtype=dtype, block=block)
-    scores = FakeScores()
-    ex = KVCopyExecutor(caches, layout, block, scores=scores)
+    ex = KVCopyExecutor(caches, layout, block)
     total = 0
     for batch_id in range(5):
         src, dst = make_plan(rng, 6 * block, block, int(rng.integers(1, 20)))
@@ -114,7 +102,6 @@ def test_random_plans_move_bytes_exactly(layout, dtype):
         assert ex.poll() == [batch_id]
         assert ex.poll() == []  # each id once
         check_plan_applied(before, caches, layout, src, dst)
-        assert scores.moves[-1] == (src.tolist(), dst.tolist())
         total += len(src) * 3 * 2 * 2 * 8 * caches[0].element_size()
         assert ex.bytes_copied == total
 
@@ -279,21 +266,6 @@ def test_gpu_wait_all_orders_current_stream_after_copy():
     torch.cuda.synchronize()
     for old, got in zip(before, snap, strict=True):
         assert torch.equal(got, read_slots(old, "triton", src))
-
-
-@pytest.mark.gpu
-def test_gpu_scores_move_when_batch_completes():
-    caches = make_caches("triton", num_blocks=64, device="cuda")
-    scores = FakeScores()
-    ex = KVCopyExecutor(caches, "triton", 16, scores=scores)
-    _warm_up(ex)
-    scores.moves.clear()
-    _busy_current_stream()
-    ex.submit(3, np.array([5, 6]), np.array([900, 901]))
-    assert scores.moves == []  # not before the copy has landed
-    torch.cuda.synchronize()
-    assert ex.poll() == [3]
-    assert scores.moves == [([5, 6], [900, 901])]
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""EvictionRuntime (budget enforcement) and ScoreAccumulator (per-slot scores)."""
+"""EvictionRuntime (budget enforcement) and ScoreAccumulator (per-request scores)."""
 
 import numpy as np
 import pytest
@@ -79,12 +79,12 @@ def test_contract_violations_raise_and_leave_state_unchanged():
     assert rt.pool.num_live("a") == 6 and rt.pool.block_live.sum() == 6
 
 
-def test_score_policies_read_scores_of_live_slots():
+def test_score_policies_read_scores_of_live_tokens():
     seen = {}
 
-    def source(slots):
-        seen["slots"] = slots.tolist()
-        return np.where(slots == 13, 0.0, 1.0 + slots / 100).astype(np.float32)
+    def source(rid, idx):
+        seen[rid] = idx.tolist()
+        return np.where(idx == 1, 0.0, 1.0 + idx / 100).astype(np.float32)
 
     rt = make_runtime(
         create_policy("h2o", 4, {"recent_ratio": 0.25}), 4, score_source=source
@@ -92,8 +92,8 @@ def test_score_policies_read_scores_of_live_slots():
     rt.sync_new_tokens("a", np.array([9, 13, 10, 30, 31, 12]))
     rt.pool.evict("a", np.array([2]))
     out = rt.enforce_budget("a", 6)
-    assert seen["slots"] == [9, 13, 30, 31, 12]
-    assert out.tolist() == [1]  # slot 13 scored lowest
+    assert seen == {"a": [0, 1, 3, 4, 5]}  # by logical token, not by slot
+    assert out.tolist() == [1]  # token 1 scored lowest
     no_source = make_runtime(create_policy("h2o", 2))
     no_source.sync_new_tokens("a", np.arange(5))
     with pytest.raises(RuntimeError, match="no score source"):
@@ -124,61 +124,74 @@ def test_random_runtime_is_reproducible_whatever_the_request_order():
 
 
 # ---------------------------------------------------------------- scores
-def test_sum_mode_accumulates_normalized_mass_per_slot():
-    acc = ScoreAccumulator(16, "sum")
-    slots = torch.tensor([3, 7, 9])
-    acc.add(slots, torch.tensor([1.0, 2.0, 3.0]))  # layer 0
-    acc.add(slots, torch.tensor([3.0, 2.0, 1.0]))  # layer 1
-    acc.finish_step(slots, 1, norm=4.0)
-    acc.finish_step(slots, 1, norm=4.0)  # buffer was zeroed: adds nothing
-    out = acc.scores(np.array([3, 7, 9, 0]))
-    assert out.dtype == np.float32 and out.tolist() == [1.0, 1.0, 1.0, 0.0]
+def fold(acc, per_req: dict, masses, norm=1.0, num_queries=None):
+    """One step through the accumulator: per_req {rid: logical idx of its
+    keys}, masses a list of per-layer float lists in that read order."""
+    rids = list(per_req)
+    indptr = np.r_[0, np.cumsum([len(v) for v in per_req.values()])]
+    idx = np.concatenate([np.asarray(v, dtype=np.int64) for v in per_req.values()])
+    acc.begin_step(int(indptr[-1]))
+    for mass in masses:
+        acc.add(torch.arange(int(indptr[-1])), torch.tensor(mass))
+    nq = np.ones(len(rids), np.int64) if num_queries is None else num_queries
+    acc.finish_step(rids, indptr, idx, nq, norm)
+
+
+def test_sum_mode_accumulates_normalized_mass_per_request_and_token():
+    acc = ScoreAccumulator("sum")
+    # Request a reads its tokens 3, 7, 9 over two layers.
+    fold(acc, {"a": [3, 7, 9]}, [[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]], norm=4.0)
+    out = acc.scores("a", np.array([3, 7, 9, 0, 40]))
+    assert out.dtype == np.float32 and out.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert acc.scores("b", np.array([3])).tolist() == [0.0]  # never read
+
+
+def test_requests_reading_the_same_slots_score_apart():
+    """Two requests sharing prefix-cache blocks read the same KV slots; each
+    token's score is its own request's (a per-slot score mixed them)."""
+    acc = ScoreAccumulator("sum")
+    fold(
+        acc, {"a": [0, 1, 2], "b": [0, 1, 2, 3]}, [[3.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]]
+    )
+    assert acc.scores("a", np.arange(3)).tolist() == [3.0, 0.0, 0.0]
+    assert acc.scores("b", np.arange(4)).tolist() == [1.0, 1.0, 1.0, 1.0]
+    acc.release("a")
+    assert acc.scores("a", np.arange(3)).tolist() == [0.0, 0.0, 0.0]
+    assert acc.scores("b", np.arange(4)).tolist() == [1.0, 1.0, 1.0, 1.0]
 
 
 def test_persistence_counts_steps_at_or_above_uniform_attention():
-    acc = ScoreAccumulator(16, "persistence")
-    slots = torch.tensor([1, 2, 3, 4])
+    acc = ScoreAccumulator("persistence")
+    keys = {"a": [1, 2, 3, 4]}
     # norm 2, 1 query, 4 keys: important iff mass / 2 >= 1/4, i.e. mass >= 0.5.
     for mass in ([0.5, 0.49, 1.0, 0.01], [0.1, 0.6, 1.2, 0.1]):
-        acc.add(slots, torch.tensor(mass))
-        acc.finish_step(slots, 1, norm=2.0)
-    assert acc.scores(np.array([1, 2, 3, 4])).tolist() == [1.0, 1.0, 2.0, 0.0]
-    # Per-slot query and key counts for a flat batch of two requests.
-    acc.add(slots, torch.tensor([2.0, 2.0, 0.3, 0.3]))
-    acc.finish_step(slots, torch.tensor([3, 3, 1, 1]), 2.0, torch.tensor([2, 2, 3, 3]))
-    # 2*2 >= 2*3 is False; 0.3*3 >= 2*1 is False.
-    assert acc.scores(np.array([1, 2, 3, 4])).tolist() == [1.0, 1.0, 2.0, 0.0]
+        fold(acc, keys, [mass], norm=2.0)
+    assert acc.scores("a", np.array([1, 2, 3, 4])).tolist() == [1.0, 1.0, 2.0, 0.0]
+    # Per-request query and key counts: a 3-query prefill over 2 keys, then a
+    # decode over 3: 2*2 >= 2*3 is False; 0.3*3 >= 2*1 is False.
+    fold(acc, {"p": [0, 1], "d": [0, 1, 2]}, [[2.0, 2.0, 0.3, 0.3, 0.3]], 2.0, [3, 1])
+    assert acc.scores("p", np.arange(2)).tolist() == [0.0, 0.0]
+    assert acc.scores("d", np.arange(3)).tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(AssertionError):
-        ScoreAccumulator(16, "max")
+        ScoreAccumulator("max")
     with pytest.raises(AssertionError):
-        acc.finish_step(slots, 1, norm=0.0)
+        fold(acc, keys, [[0.0] * 4], norm=0.0)
 
 
 def test_windowed_persistence_is_a_moving_average_of_importance():
-    acc = ScoreAccumulator(8, "persistence", window=4)
-    slots = torch.tensor([1, 2])
+    acc = ScoreAccumulator("persistence", window=4)
     # norm 1, 1 query, 2 keys: important iff mass >= 0.5.
-    for important in ([1, 0], [1, 0], [1, 1], [0, 1], [0, 1]):
-        acc.add(slots, torch.tensor(important, dtype=torch.float32))
-        acc.finish_step(slots, 1, norm=1.0)
+    steps = ([1, 0], [1, 0], [1, 1], [0, 1], [0, 1])
+    for important in steps:
+        fold(acc, {"a": [0, 1]}, [[float(x) for x in important]])
     ema = np.zeros(2)
-    for important in ([1, 0], [1, 0], [1, 1], [0, 1], [0, 1]):
+    for important in steps:
         ema += (np.array(important) - ema) / 4
-    np.testing.assert_allclose(acc.scores(np.array([1, 2])), ema, rtol=1e-6)
+    np.testing.assert_allclose(acc.scores("a", np.arange(2)), ema, rtol=1e-6)
     with pytest.raises(AssertionError):
-        ScoreAccumulator(8, "persistence", window=0)
+        ScoreAccumulator("persistence", window=0)
     with pytest.raises(AssertionError):
-        ScoreAccumulator(8, "sum", window=4)
-
-
-def test_move_and_reset_follow_tokens():
-    acc = ScoreAccumulator(8, "sum")
-    acc.add(torch.arange(8), torch.arange(8, dtype=torch.float32))
-    acc.finish_step(torch.arange(8), 1, norm=1.0)
-    acc.move(torch.tensor([1, 2, 5]), torch.tensor([2, 6, 1]))  # overlapping
-    assert acc.scores(np.arange(8)).tolist() == [0, 5, 1, 3, 4, 0, 2, 7]
-    acc.reset(torch.tensor([3, 7]))
-    assert acc.scores(np.arange(8)).tolist() == [0, 5, 1, 0, 4, 0, 2, 0]
+        ScoreAccumulator("sum", window=4)
 
 
 def dense_loop_mass(q, k, scale):
@@ -209,7 +222,7 @@ def test_attention_mass_matches_loop(lq, lk, hq, hkv):
 
 def test_h2o_through_accumulator_evicts_least_attended_token():
     pool = TokenTablePool(8, B)
-    acc = ScoreAccumulator(32, "sum")
+    acc = ScoreAccumulator("sum")
     rt = EvictionRuntime(
         pool,
         create_policy("h2o", 4, {"recent_ratio": 0.25}),
@@ -220,7 +233,5 @@ def test_h2o_through_accumulator_evicts_least_attended_token():
     k = torch.zeros(5, 1, 2)
     k[:, 0, 0] = torch.tensor([3.0, 1.0, -4.0, 2.0, 0.0])
     q = torch.tensor([[[1.0, 0.0]]])  # one decode query, one head
-    slots = torch.from_numpy(pool.live_slots("a"))
-    acc.add(slots, attention_mass(q, k, 1.0))
-    acc.finish_step(slots, 1, norm=1.0)
+    fold(acc, {"a": pool.live_idx("a")}, [attention_mass(q, k, 1.0).tolist()])
     assert rt.enforce_budget("a", 5).tolist() == [2]  # key 2 got the least mass

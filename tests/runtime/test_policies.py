@@ -163,17 +163,17 @@ def test_scissorhands_evicts_the_persistently_unimportant():
         policy.evict_token(view(idx, scores=scores, rid="s"), 1)
 
 
-def scissorhands_run(policy, rid, steps, importance):
+def scissorhands_run(policy, rid, steps, importance, acc=None):
     """`steps` decode steps of one request through the worker's real score
     fold: importance(step) -> bool [n] for the tokens [0, n) of that step."""
-    acc = ScoreAccumulator(4096, "persistence", window=policy.score_window)
+    acc = acc or ScoreAccumulator("persistence", window=policy.score_window)
     v = view(np.zeros(0), rid=rid)
     for step in range(steps):
         policy.sync_new_tokens(v, 1)
         imp = np.asarray(importance(step), dtype=np.float32)
-        slots = torch.arange(imp.size)
-        acc.add(slots, torch.from_numpy(imp))  # 1 query, norm 1, n keys
-        acc.finish_step(slots, 1, norm=1.0, num_keys=1)
+        acc.begin_step(imp.size)
+        acc.add(torch.arange(imp.size), torch.from_numpy(imp))  # 1 query, norm 1
+        acc.finish_step([rid], np.array([0, imp.size]), np.arange(imp.size), [1], 1.0)
     return acc
 
 
@@ -185,7 +185,7 @@ def test_scissorhands_forgets_importance_older_than_its_window():
     acc = scissorhands_run(
         policy, "w", 2000, lambda s: [s < 1500, s % 5 < 3] + [True] * (s - 1)
     )
-    scores = acc.scores(np.arange(2))
+    scores = acc.scores("w", np.arange(2))
     out = policy.evict_token(view([0, 1], scores=scores, rid="w"), 1)
     assert out.tolist() == [0]
 
@@ -196,11 +196,12 @@ def test_scissorhands_restarts_ages_with_the_scores_after_a_preemption():
     old) never: 103 goes. Counting token 0's age from its birth would read its
     rate as 6 / 106 and evict it first (oldest first until counts rebuild)."""
     policy = create_policy("scissorhands", 8, {"recent_ratio": 0})
-    scissorhands_run(policy, "p", 100, lambda s: [True] * (s + 1))
+    acc = scissorhands_run(policy, "p", 100, lambda s: [True] * (s + 1))
     policy.reset_scores("p")  # VTokenScheduler.on_preempt
-    acc = scissorhands_run(policy, "p", 6, lambda s: [True] + [False] * (100 + s))
+    acc.release("p")  # the worker, as the request resumes
+    scissorhands_run(policy, "p", 6, lambda s: [True] + [False] * (100 + s), acc)
     idx = np.array([0, 103])
-    out = policy.evict_token(view(idx, scores=acc.scores(idx), rid="p"), 1)
+    out = policy.evict_token(view(idx, scores=acc.scores("p", idx), rid="p"), 1)
     assert out.tolist() == [103]
 
 

@@ -16,6 +16,10 @@ _CHILD = """
     from vllm.vtoken.scores import ScoreAccumulator
     from vllm.vtoken.triton_attention import build_triton_read_plan, triton_forward
 
+    def fold(scores, indptr, qsl, norm):  # requests a, b, c; keys by token
+        idx = np.concatenate([np.arange(n) for n in np.diff(indptr)])
+        scores.finish_step(list("abc"), indptr, idx, np.diff(qsl), norm)
+
     gen = torch.Generator().manual_seed(3)
     N, H, Hq, B, D = 10, 2, 4, 16, 32
     lens, q_lens = [37, 12, 20], [1, 5, 20]   # decode, chunk, full prefill
@@ -35,7 +39,8 @@ _CHILD = """
     q = torch.randn(int(qsl[-1]), Hq, D, generator=gen)
     outs, accs = [], []
     for forward in ("cpu", "triton"):
-        scores = ScoreAccumulator(N * B, "sum")
+        scores = ScoreAccumulator("sum")
+        scores.begin_step(len(slots))
         if forward == "cpu":
             plan = build_cpu_read_plan(qsl, indptr, slots, B, H)
         else:
@@ -48,9 +53,10 @@ _CHILD = """
                 cpu_forward(read, q, cpu[0], cpu[1], out, D ** -0.5)
             else:
                 triton_forward(read, q, tri, out, D ** -0.5)
-        scores.finish_step(slots, 1, 2.0 * Hq)
+        fold(scores, indptr, qsl, 2.0 * Hq)
         outs.append(out)
-        accs.append(scores.scores(slots.numpy()))
+        accs.append(np.concatenate([scores.scores(r, np.arange(n))
+                                    for r, n in zip("abc", lens)]))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(accs[1], accs[0], atol=1e-5, rtol=1e-5)
     assert accs[0].sum() > 0
@@ -67,6 +73,10 @@ _MIXED = """
     from vllm.vtoken.scores import ScoreAccumulator
     from vllm.vtoken.triton_attention import build_triton_read_plan, triton_forward
 
+    def fold(scores, indptr, qsl, norm):  # requests a, b, c; keys by token
+        idx = np.concatenate([np.arange(n) for n in np.diff(indptr)])
+        scores.finish_step(list("abc"), indptr, idx, np.diff(qsl), norm)
+
     gen = torch.Generator().manual_seed(5)
     N, H, Hq, B, D = 10, 2, 4, 16, 32
     lens, q_lens = [37, 12, 20], [1, 5, 20]
@@ -82,15 +92,17 @@ _MIXED = """
     # Every request on the read; then request 1 read for its scores only, its
     # rows holding what vLLM's kernel wrote before (here 7.0).
     for write in (np.ones(3, bool), np.array([True, False, True])):
-        scores = ScoreAccumulator(N * B, "sum")
+        scores = ScoreAccumulator("sum")
+        scores.begin_step(len(slots))
         plan = build_triton_read_plan(qsl, indptr, slots, B, write)
         read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
                          plan=plan, scores=scores, with_stock=not write.all())
         out = torch.full((len(q), Hq * D), 7.0)
         triton_forward(read, q, tri, out, D ** -0.5)
-        scores.finish_step(slots, 1, 1.0 * Hq)
+        fold(scores, indptr, qsl, 1.0 * Hq)
         outs.append(out)
-        accs.append(scores.scores(slots.numpy()))
+        accs.append(np.concatenate([scores.scores(r, np.arange(n))
+                                    for r, n in zip("abc", lens)]))
     mine = slice(qsl[1], qsl[2])
     assert (outs[1][mine] == 7.0).all()
     others = torch.ones(len(q), dtype=torch.bool)

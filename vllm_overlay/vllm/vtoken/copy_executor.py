@@ -44,10 +44,7 @@ class _PendingCopy:
 class KVCopyExecutor:
     """Copies K and V of token slots for all layers; reports finished batches.
 
-    Scores (optional, duck-typed: `.move(src_slots, dst_slots)`) follow the
-    tokens: moved at submit on CPU, and on CUDA when the batch is reported
-    complete, so mass that forwards add to the source slots while the copy is
-    in flight moves too.
+    Attention scores are per logical token (scores.py), so nothing else moves.
     """
 
     def __init__(
@@ -55,7 +52,6 @@ class KVCopyExecutor:
         kv_caches: list[torch.Tensor],
         layout: str,
         block_size: int,
-        scores: Any = None,
         *,
         use_triton: bool = True,
     ) -> None:
@@ -67,7 +63,6 @@ class KVCopyExecutor:
                 each token's `[H, D]` row contiguous for "triton".
             layout: "cpu" or "triton".
             block_size: B, tokens per block.
-            scores: object with `.move(src, dst)` (LongTensors), or None.
             use_triton: on CUDA with the "triton" layout, copy with the
                 one-launch Triton kernel; False uses torch index ops per layer.
 
@@ -106,7 +101,6 @@ class KVCopyExecutor:
         self.layout = layout
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
-        self.scores = scores
         self._caches = list(kv_caches)
         self._device = first.device
         self._is_cuda = first.device.type == "cuda"
@@ -151,8 +145,6 @@ class KVCopyExecutor:
             if src.size:
                 src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
                 self._copy_torch(src_t, dst_t)
-                if self.scores is not None:
-                    self.scores.move(src_t, dst_t)
             self._done.append(batch_id)
         self._bytes_copied += int(src.size) * self._slot_bytes
 
@@ -248,13 +240,6 @@ class KVCopyExecutor:
         self._pending.append(_PendingCopy(batch_id, event, src_t, dst_t, host))
 
     def _finish(self, pending: _PendingCopy) -> None:
-        if self.scores is not None and pending.src.numel():
-            # The index tensors belong to the side stream's pool; scores.move
-            # runs on the current stream, so keep them from early reuse.
-            current = torch.cuda.current_stream(self._device)
-            pending.src.record_stream(current)
-            pending.dst.record_stream(current)
-            self.scores.move(pending.src, pending.dst)
         self._done.append(pending.batch_id)
 
 

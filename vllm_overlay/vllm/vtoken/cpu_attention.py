@@ -67,10 +67,10 @@ class CpuReadPlan:
     masked by `valid`); `v_rows` `[R * H * W]` are the same keys as rows of the
     value cache viewed `[N * H * B, D]`, one per KV head. Requests with several
     queries (prefills) read `other_slots`, request `others[i]`'s keys being
-    entries `[other_loc[i], other_loc[i + 1])`. `score_slots` lists every key
-    read, in the order the attention masses are concatenated. A request whose
-    output vLLM's kernel already wrote (`decode_write` / `other_write` False) is
-    read for its attention masses only.
+    entries `[other_loc[i], other_loc[i + 1])`. `score_pos` lists every key
+    read (its position in `kv_slots`), in the order the masses are concatenated.
+    A request whose output vLLM's kernel already wrote (`decode_write` /
+    `other_write` False) is read for its attention masses only.
     """
 
     q_loc: list[int]
@@ -84,7 +84,7 @@ class CpuReadPlan:
     others: list[int]
     other_slots: torch.Tensor  # [S'] int64
     other_loc: list[int]
-    score_slots: torch.Tensor  # [S''] int64
+    score_pos: torch.Tensor  # [S''] int64
     decode_write: torch.Tensor | None  # [R] bool; None: write every row
     other_write: list[bool]
 
@@ -147,7 +147,7 @@ def build_cpu_read_plan(
         others=others.tolist(),
         other_slots=other_slots,
         other_loc=np.r_[0, np.cumsum(num_k[others])].tolist(),
-        score_slots=torch.cat([padded[valid_t], other_slots]),
+        score_pos=torch.cat([idx[valid_t], torch.from_numpy(sel)]),
         decode_write=None if write[decode].all() else torch.from_numpy(write[decode]),
         other_write=write[others].tolist(),
     )
@@ -187,7 +187,7 @@ def cpu_token_attention(
         plan: The step's `build_cpu_read_plan`.
         scale: softmax scale.
         scores: When given, `attn_mass[j]` (probabilities summed over query
-            heads and query rows) is added once for every slot read.
+            heads and query rows) is added once for every key read.
     """
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     out = output.view(output.shape[0], num_q_heads, head_dim)
@@ -217,7 +217,7 @@ def cpu_token_attention(
                 o = probs @ _repeat_kv(v, num_q_heads).float()
             out[q0:q1] = o.transpose(0, 1)
     if scores is not None and masses:
-        scores.add(plan.score_slots, torch.cat(masses))
+        scores.add(plan.score_pos, torch.cat(masses))
 
 
 def _decode_batched(

@@ -56,7 +56,7 @@ class EvictionRuntime:
         policy: EvictionPolicy,
         budget: int | None,
         seed: int = 0,
-        score_source: Callable[[np.ndarray], np.ndarray] | None = None,
+        score_source: Callable[[str, np.ndarray], np.ndarray] | None = None,
     ) -> None:
         """Binds a pool and the engine's default policy.
 
@@ -66,9 +66,9 @@ class EvictionRuntime:
             budget: The engine's budget (live tokens kept per request), or None:
                 only requests that bring a budget are evicted.
             seed: Seed of the per-request generators.
-            score_source: int64 slots [n] -> float32 scores [n]; required (by
-                the time a request exceeds its budget) when a policy has a
-                `score_mode`.
+            score_source: (request id, int64 logical indices [n]) -> float32
+                scores [n]; required (by the time a request exceeds its
+                budget) when a policy has a `score_mode`.
         """
         assert budget is None or budget > 0, budget
         self.pool = pool
@@ -182,8 +182,8 @@ class EvictionRuntime:
                 f"policy {policy.name} needs {policy.score_mode!r} "
                 "scores but the runtime has no score source"
             )
-        slots = self.pool.live_slots(req_id)
-        return np.asarray(self.score_source(slots), dtype=np.float32)
+        idx = self.pool.live_idx(req_id)
+        return np.asarray(self.score_source(req_id, idx), dtype=np.float32)
 
     def _view(
         self, req_id: str, num_attended: int, scores: np.ndarray | None

@@ -11,8 +11,9 @@ hand-off except one documented handle: `VTokenWorkerOutput.scores` is the
 worker's live `ScoreAccumulator`. In process (one worker, UniProcExecutor, the
 default) the scheduler reads it by reference before the next forward runs, which
 is when it reads it anyway; a multi-process executor pickles it whole each step
-(correct, but O(KV slots) per step: per-step score deltas replace it when
-multi-rank support lands). Numpy arrays travel out of band.
+(correct, but O(tokens of the running scored requests) per step: per-step
+score deltas replace it when multi-rank support lands). Numpy arrays travel
+out of band.
 """
 
 from __future__ import annotations

@@ -208,10 +208,10 @@ class VTokenScheduler:
         self.reclaimer.drop_moves(rec)
 
     # ------------------------------------------------------------ internals
-    def _read_scores(self, slots: np.ndarray) -> np.ndarray:
+    def _read_scores(self, rid: str, idx: np.ndarray) -> np.ndarray:
         if self._scores is None:  # no forward has run yet
-            return np.zeros(len(slots), dtype=np.float32)
-        return self._scores.scores(slots)
+            return np.zeros(len(idx), dtype=np.float32)
+        return self._scores.scores(rid, idx)
 
     def _sync_slots(self, rid: str, upto: int) -> None:
         """Give tokens [num_slotted, upto) their positional slots."""

@@ -1,14 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-slot attention-score accumulation for score-based eviction policies.
+"""Attention scores for score-based eviction policies, per request and token.
 
 Worker side (written by the attention path); the scheduler reads it through
 `ScoreAccumulator.scores`. `VTokenWorkerOutput.scores` is a handle to it, not a
-snapshot (see messages.py). Scores are indexed by physical slot, so compaction
-moves them with the tokens (`move`) and a slot's next owner starts from zero
-(`reset`).
+snapshot (see messages.py).
 
-Per step and request: `add` once per layer with the attention mass each key
-received, then `finish_step` once to fold the step into the running score:
+Scores are indexed by request and **logical** token, never by KV slot: two
+requests that share prefix-cache blocks read the same slots, and each must
+score them with its own queries only (a per-slot score mixed them, and a new
+request's reset of its hit slots wiped the owner's history). Compaction moves
+no score (the logical index does not change), and a token's score starts at
+zero when it first appears.
+
+    prepare   begin_step(K)            a zeroed device buffer, one entry per key
+                                       of the step's TokenRead, in read order
+    forward   add(pos, mass)           per layer, the mass each key received
+    end_step  finish_step(...)         one device-to-host copy, then per request
+                                       acc[rid][logical idx] folds the step:
 
     "sum"          acc += mass / (num_layers * num_heads)         (H2O)
     "persistence"  imp = 1 if mass / (norm * num_queries) >= 1 / num_keys
@@ -26,107 +34,109 @@ SCORE_MODES = ("sum", "persistence")
 
 
 class ScoreAccumulator:
-    """Running attention scores, one float32 per physical slot."""
+    """Running scores: a float32 array per request, by logical token."""
 
     def __init__(
         self,
-        num_slots: int,
         mode: str,
         device: str | torch.device = "cpu",
         window: int | None = None,
     ) -> None:
-        """Allocates zeroed buffers.
-
+        """
         Args:
-            num_slots: num_blocks * block_size.
             mode: "sum" (accumulated attention mass) or "persistence" (how
                 often the token was important).
-            device: Where the buffers live (the KV cache's device).
+            device: Where the step buffer lives (the KV cache's device).
             window: "persistence": average importance over this many steps
                 (>= 1); None counts the steps.
         """
-        assert mode in SCORE_MODES and num_slots > 0, (mode, num_slots)
+        assert mode in SCORE_MODES, mode
         assert window is None or (mode == "persistence" and window >= 1), window
         self.mode = mode
         self.window = window
         self.device = torch.device(device)
-        self.acc = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
-        self._step = torch.zeros_like(self.acc)  # this step's mass, not yet folded
+        self._acc: dict[str, np.ndarray] = {}
+        self._step = torch.zeros(0, dtype=torch.float32, device=self.device)
 
-    def add(self, slots: torch.Tensor, attn_mass: torch.Tensor) -> None:
+    def begin_step(self, num_keys: int) -> None:
+        """A zeroed step buffer for the `num_keys` keys of the step's read."""
+        self._step = torch.zeros(num_keys, dtype=torch.float32, device=self.device)
+
+    def add(self, pos: torch.Tensor, attn_mass: torch.Tensor) -> None:
         """Adds one layer's attention mass to the step buffer.
 
         Args:
-            slots: int [n] key slots.
+            pos: int [n] positions of the keys in the step's read order
+                (`TokenRead.kv_slots`).
             attn_mass: float [n] probability mass each key received this layer,
                 summed over heads and query rows.
         """
-        self._step.index_add_(
-            0, self._idx(slots), attn_mass.to(self.device, torch.float32)
-        )
+        idx = torch.as_tensor(pos, device=self.device).to(torch.int64)
+        self._step.index_add_(0, idx, attn_mass.to(self.device, torch.float32))
 
     def finish_step(
         self,
-        slots: torch.Tensor,
-        num_queries: torch.Tensor | int,
+        req_ids: list[str],
+        key_indptr: np.ndarray,
+        key_idx: np.ndarray,
+        num_queries: np.ndarray,
         norm: float,
-        num_keys: torch.Tensor | int | None = None,
     ) -> None:
-        """Folds the step buffer of `slots` into the running score; zeroes it.
+        """Folds the step buffer into each request's running scores.
 
         Args:
-            slots: int [n] slots of the keys attended this step, distinct (one
-                request, or a flat batch of requests).
-            num_queries: Query rows of the step: an int, or int [n] per slot.
+            req_ids: [R] the step's requests, in read order.
+            key_indptr: int [R + 1] request r's keys (empty: not read).
+            key_idx: int [K] the logical token of each key, distinct per request.
+            num_queries: int [R] query rows of each request this step.
             norm: num_layers * num_heads (> 0).
-            num_keys: Keys each query attended (the 1/t threshold of
-                "persistence"): an int or int [n] per slot; default len(slots),
-                right for one request.
         """
         assert norm > 0, norm
-        idx = self._idx(slots)
-        mass = self._step[idx]
+        indptr = np.asarray(key_indptr, dtype=np.int64)
+        assert indptr[-1] == self._step.numel() == len(key_idx), (
+            indptr[-1],
+            self._step.numel(),
+            len(key_idx),
+        )
+        mass = self._step.cpu().numpy()  # the step's one device-to-host copy
+        klen = np.diff(indptr)
         if self.mode == "sum":
             gain = mass / norm
         else:
-            keys = idx.numel() if num_keys is None else num_keys
+            queries = np.repeat(np.asarray(num_queries, dtype=np.float64), klen)
             # mean prob = mass / (norm * q) >= 1 / keys, without dividing.
-            important = mass * _on(keys, self.device) >= norm * _on(
-                num_queries, self.device
+            gain = (mass * np.repeat(klen, klen) >= norm * queries).astype(np.float32)
+        for r in np.flatnonzero(klen):
+            lo, hi = indptr[r], indptr[r + 1]
+            idx = np.asarray(key_idx[lo:hi], dtype=np.int64)
+            acc = self._row(req_ids[r], int(idx.max()) + 1)
+            if self.window is None:
+                acc[idx] += gain[lo:hi]
+            else:  # a moving average, not a count
+                acc[idx] += (gain[lo:hi] - acc[idx]) / self.window
+        self._step = self._step[:0]
+
+    def scores(self, req_id: str, idx: np.ndarray) -> np.ndarray:
+        """float32 [n]: `req_id`'s scores of logical tokens `idx` (0: unseen)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        out = np.zeros(idx.size, dtype=np.float32)
+        acc = self._acc.get(req_id)
+        if acc is not None:
+            seen = idx < acc.size
+            out[seen] = acc[idx[seen]]
+        return out
+
+    def release(self, req_id: str) -> None:
+        """Forgets a request's scores (finished, or preempted: they restart)."""
+        self._acc.pop(req_id, None)
+
+    def _row(self, req_id: str, size: int) -> np.ndarray:
+        acc = self._acc.get(req_id)
+        if acc is None or acc.size < size:  # grow by doubling
+            grown = np.zeros(
+                max(size, 2 * (0 if acc is None else acc.size)), np.float32
             )
-            gain = important.to(torch.float32)
-            if self.window is not None:  # a moving average, not a count
-                gain = (gain - self.acc[idx]) / self.window
-        self.acc.index_add_(0, idx, gain)
-        self._step[idx] = 0.0
-
-    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Scores follow tokens moved src -> dst; sources are left at zero.
-
-        Args:
-            src_slots: int [n]. dst_slots: int [n], distinct.
-        """
-        src, dst = self._idx(src_slots), self._idx(dst_slots)
-        acc, step = self.acc[src], self._step[src]  # gathered before any write
-        self.acc[src] = 0.0
-        self._step[src] = 0.0
-        self.acc[dst] = acc
-        self._step[dst] = step
-
-    def reset(self, slots: torch.Tensor) -> None:
-        """A new token took these slots: its score starts at zero."""
-        idx = self._idx(slots)
-        self.acc[idx] = 0.0
-        self._step[idx] = 0.0
-
-    def scores(self, slots: np.ndarray) -> np.ndarray:
-        """float32 [n] running scores of `slots` (int [n]), on the host."""
-        idx = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device)
-        return self.acc[idx].cpu().numpy()
-
-    def _idx(self, slots: torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(slots, device=self.device).to(torch.int64)
-
-
-def _on(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+            if acc is not None:
+                grown[: acc.size] = acc
+            self._acc[req_id] = acc = grown
+        return acc

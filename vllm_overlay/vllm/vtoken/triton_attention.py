@@ -120,11 +120,13 @@ def triton_forward(
     B = plan.block_size
     for r in range(len(read.kv_indptr) - 1):
         q0, q1 = read.query_start_loc[r], read.query_start_loc[r + 1]
-        if q1 == q0 or read.kv_indptr[r] == read.kv_indptr[r + 1]:
+        k0, k1 = int(read.kv_indptr[r]), int(read.kv_indptr[r + 1])
+        if q1 == q0 or k0 == k1:
             continue
-        slots = read.kv_slots[read.kv_indptr[r] : read.kv_indptr[r + 1]]
+        slots = read.kv_slots[k0:k1]
         keys = kv_cache[slots // B, 0, slots % B]
-        read.scores.add(slots, attention_mass(query[q0:q1], keys, scale))
+        pos = torch.arange(k0, k1, device=slots.device)
+        read.scores.add(pos, attention_mass(query[q0:q1], keys, scale))
 
 
 def slots_to_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -78,13 +78,11 @@ class VTokenWorker:
             cfg.kv_eviction_policy, UNBOUNDED_BUDGET, cfg.policy_knobs()
         )
         mode, window = policy.score_mode, policy.score_window
-        self.scores = (
-            ScoreAccumulator(num_blocks * B, mode, device, window) if mode else None
-        )
+        self.scores = ScoreAccumulator(mode, device, window) if mode else None
         layout = "cpu" if device.type == "cpu" else "triton"
         # CPU cache [2, N, H, B, D]: the read plan addresses V rows per KV head.
         self._num_kv_heads = kv_caches[0].shape[2] if layout == "cpu" else 0
-        self.executor = KVCopyExecutor(kv_caches, layout, B, scores=self.scores)
+        self.executor = KVCopyExecutor(kv_caches, layout, B)
         model = vllm_config.model_config
         self._max_model_len = model.max_model_len
         parallel = vllm_config.parallel_config
@@ -95,6 +93,9 @@ class VTokenWorker:
         self._pending: dict[int, MoveBatch] = {}
         self._acked: list[int] = []
         self._read: TokenRead | None = None
+        # The step's read, for folding scores: its request ids and the logical
+        # token of each key (TokenRead.kv_slots order).
+        self._read_keys: tuple[list[str], np.ndarray] | None = None
         self._device = device
         # Requests whose policy reads attention scores: the token read always
         # covers them, for their scores (vLLM's kernels return no
@@ -112,9 +113,13 @@ class VTokenWorker:
             if rid in pool:
                 pool.release(rid)
                 del self._scored[rid]
+            if self.scores is not None:
+                self.scores.release(rid)
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             if rid in pool:
                 pool.reset_slots(rid)
+            if self.scores is not None:  # they restart with the slots
+                self.scores.release(rid)  # (the policy's reset_scores)
         step = so.vtoken
         if step is not None:
             for rid, idx in step.dead.items():
@@ -163,7 +168,7 @@ class VTokenWorker:
         reads = writes | scored
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         kv = [np.zeros(0, dtype=np.int64)]
-        slotted = [np.zeros(0, dtype=np.int64)]  # this step's new slots, all
+        key_idx = [np.zeros(0, dtype=np.int64)]  # the logical token of each key
         for i, rid in enumerate(rids):
             start = self.pool.num_slotted(rid)
             nc = int(computed[i])
@@ -173,7 +178,6 @@ class VTokenWorker:
                 pos = np.arange(start, nc, dtype=np.int64)
                 new = np.concatenate([ids[pos // B] * B + pos % B, new])
             self.pool.append(rid, new)
-            slotted.append(new)
             kv_indptr[i + 1] = kv_indptr[i]
             if not reads[i]:
                 continue  # no keys: vLLM's kernel reads its positional KV
@@ -181,17 +185,21 @@ class VTokenWorker:
             # query token may be dead when a preempted request recomputes its
             # KV; it is attended this once and stays dead afterwards.
             live_idx = self.pool.live_idx(rid)
-            before = self.pool.live_slots(rid)[live_idx < nc]
-            slots = np.concatenate([before, self.pool.slots(rid)[nc:]])
-            kv.append(slots)
-            kv_indptr[i + 1] += slots.size
-        if self.scores is not None:  # new tokens in these slots: scores from 0
-            self.scores.reset(
-                torch.from_numpy(np.concatenate(slotted)).to(self._device)
+            before = live_idx < nc
+            slots = np.concatenate(
+                [self.pool.live_slots(rid)[before], self.pool.slots(rid)[nc:]]
             )
+            kv.append(slots)
+            key_idx.append(
+                np.r_[live_idx[before], np.arange(nc, self.pool.num_slotted(rid))]
+            )
+            kv_indptr[i + 1] += slots.size
         if not reads.any():
             return  # nobody reads through the token table this step
         kv_slots = torch.from_numpy(np.concatenate(kv)).to(self._device)
+        if self.scores is not None:
+            self.scores.begin_step(kv_slots.numel())
+            self._read_keys = (list(rids), np.concatenate(key_idx))
         if self._device.type == "cpu":
             plan = build_cpu_read_plan(
                 qsl, kv_indptr, kv_slots, B, self._num_kv_heads, write=writes
@@ -224,12 +232,9 @@ class VTokenWorker:
         read, self._read = self._read, None
         set_token_read(None)
         if read is not None and self.scores is not None:
-            for r in range(len(read.kv_indptr) - 1):
-                lo, hi = read.kv_indptr[r], read.kv_indptr[r + 1]
-                if lo == hi:
-                    continue  # read by vLLM's kernel: no scores this step
-                nq = int(read.query_start_loc[r + 1] - read.query_start_loc[r])
-                self.scores.finish_step(read.kv_slots[lo:hi], nq, self._score_norm)
+            (rids, key_idx), self._read_keys = self._read_keys, None
+            nq = np.diff(read.query_start_loc)
+            self.scores.finish_step(rids, read.kv_indptr, key_idx, nq, self._score_norm)
         self.apply_moves()
         acked, self._acked = self._acked, []
         return VTokenWorkerOutput(
