@@ -11,11 +11,17 @@ loudly when the two disagree.
 import hashlib
 import os
 import pathlib
+import sys
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OVERLAY = REPO / "vllm_overlay" / "vllm"
+# A plug-in policy package, installed the way pip lays one out (a dist-info with
+# its entry point): on sys.path before vLLM loads, so that every policy test
+# covers it too (tests/plugin_site/vtoken_oldest).
+PLUGIN_SITE = REPO / "tests" / "plugin_site"
+sys.path.insert(0, str(PLUGIN_SITE))
 
 
 def _prefer_repo_overlay() -> None:

@@ -25,17 +25,18 @@ _spec.loader.exec_module(engine_driver)  # imports no vLLM: its engines run in p
 _cache: dict[str, dict] = {}
 
 
-def run_engine(spec: dict, *, pristine: bool = False) -> dict:
-    """Run the driver for `spec` (stock vLLM when `pristine`) and load its JSON."""
+def run_engine(spec: dict, *, pristine: bool = False, env=None) -> dict:
+    """Run the driver for `spec` (stock vLLM when `pristine`; `env` added to
+    its environment) and load its JSON."""
     key = hashlib.sha256(
-        json.dumps([spec, pristine], sort_keys=True).encode()
+        json.dumps([spec, pristine, env], sort_keys=True).encode()
     ).hexdigest()[:16]
     if key not in _cache:
         try:
             _cache[key] = engine_driver.run_driver(
                 spec,
                 pristine=pristine,
-                env={"VTOKEN_CHECK_INTEGRITY": "1"},
+                env={"VTOKEN_CHECK_INTEGRITY": "1", **(env or {})},
                 timeout=900,
             )
         except RuntimeError as err:

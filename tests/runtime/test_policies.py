@@ -32,13 +32,21 @@ def view(live_idx, evictable=None, scores=None, rid="r", seed=0) -> RequestView:
 
 
 def test_registry_and_factory():
-    assert sorted(POLICIES) == ["h2o", "random", "scissorhands", "streamingllm"]
+    # The four built-ins, and the test plug-in from its entry point.
+    assert sorted(POLICIES) == [
+        "h2o",
+        "oldest",
+        "random",
+        "scissorhands",
+        "streamingllm",
+    ]
+    assert POLICIES["oldest"].__module__ == "vtoken_oldest"
     assert create_policy("streamingllm", 64, {"num_sinks": 2}).num_sinks == 2
     assert create_policy("h2o", 10).recent == 5
     assert POLICIES["h2o"].score_mode == "sum"
     assert POLICIES["scissorhands"].score_mode == "persistence"
     assert POLICIES["random"].score_mode is None
-    with pytest.raises(ValueError, match="h2o, random, scissorhands, streamingllm"):
+    with pytest.raises(ValueError, match="h2o, oldest, random, scissorhands"):
         create_policy("lru", 10)
 
 
@@ -212,3 +220,22 @@ def test_each_adapter_is_under_50_lines(module):
     lines = (POLICY_DIR / module).read_text().splitlines()
     code = [ln for ln in lines if ln.strip() and not ln.strip().startswith("#")]
     assert len(code) < 50, f"{module}: {len(code)} non-blank, non-comment lines"
+
+
+def test_a_broken_plugin_entry_point_is_named(monkeypatch):
+    import importlib.metadata as md
+
+    import vllm.vtoken.policies as policies
+
+    def declare(name, value):
+        ep = md.EntryPoint(name, value, policies.ENTRY_POINT_GROUP)
+        monkeypatch.setattr(md, "entry_points", lambda group: [ep])
+
+    declare("x", "numpy:ndarray")
+    with pytest.raises(TypeError, match="x = numpy:ndarray is not an EvictionPolicy"):
+        policies._register_plugins()
+    declare("other", "vtoken_oldest:OldestFirstPolicy")
+    with pytest.raises(ValueError, match="other names a policy called 'oldest'"):
+        policies._register_plugins()
+    declare("oldest", "vtoken_oldest:OldestFirstPolicy")
+    policies._register_plugins()  # already registered: loading it again is fine

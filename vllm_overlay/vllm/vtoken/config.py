@@ -9,6 +9,7 @@ default policy `none` every vToken hook stays idle and vLLM behaves as stock.
 annotations as real types.)
 """
 
+import importlib.metadata
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,7 +26,12 @@ logger = init_logger(__name__)
 _ATTENTION_OPS = ("vllm::unified_attention", "vllm::unified_attention_with_output")
 
 UNBOUNDED_BUDGET = 2**31 - 1
-EvictionPolicyName = Literal["none", "h2o", "streamingllm", "scissorhands", "random"]
+# Plug-in policies (vllm.vtoken.policies) are choices too, named here without
+# importing them: this module is imported with vllm.config.
+_PLUGINS = [ep.name for ep in importlib.metadata.entry_points(group="vtoken.policies")]
+EvictionPolicyName = Literal[
+    ("none", "h2o", "streamingllm", "scissorhands", "random", *sorted(_PLUGINS))
+]
 ReclaimMode = Literal["naive", "vtoken"]
 
 
@@ -37,7 +43,8 @@ class VTokenConfig:
     """Token eviction policy. "none" keeps stock vLLM behaviour (hooks idle).
     h2o: heavy hitters by accumulated attention plus a recent window;
     streamingllm: attention sinks plus a recent window; scissorhands: pivotal
-    tokens by persistence of importance; random: uniform, seeded."""
+    tokens by persistence of importance; random: uniform, seeded. Installed
+    packages add policies through the "vtoken.policies" entry point group."""
 
     kv_budget_tokens: int | None = Field(default=None, gt=0)
     """Live tokens kept per request once eviction starts. Prompts longer than
@@ -54,8 +61,8 @@ class VTokenConfig:
     """How evicted tokens turn into free memory. naive: a block returns to the
     pool only when every token in it is dead (the paper's Naive-Evict). vtoken:
     also move the live tokens of under-used blocks into the request's dead slots
-    and free the emptied blocks (in place: compaction never takes a block from
-    the pool)."""
+    and free the emptied blocks (blocks the prefix cache can serve are emptied
+    into fresh blocks instead, while the pool has them to spare)."""
 
     kv_reclaim_threshold: float = Field(default=1.0, gt=0.0, le=1.0)
     """A full block whose live-token utilization is below this fraction is a

@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Eviction policies, registered by name (scheduler side).
 
-Importing this package registers every built-in policy in `POLICIES`;
-`create_policy` builds one from the engine arguments.
+Importing this package registers every built-in policy in `POLICIES`, then the
+policies other installed packages declare in the `vtoken.policies` entry point
+group (`name = "module:PolicyClass"`, an `EvictionPolicy` whose `name` is the
+entry point's); `create_policy` builds one from the engine arguments.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 from vllm.vtoken.policies import h2o, random_policy, scissorhands, streaming_llm
@@ -19,6 +22,28 @@ from vllm.vtoken.policies.base import (
 
 del h2o, random_policy, scissorhands, streaming_llm  # imported to register
 
+ENTRY_POINT_GROUP = "vtoken.policies"
+
+
+def _register_plugins() -> None:
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        cls = ep.load()
+        if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+            raise TypeError(
+                f"{ENTRY_POINT_GROUP} entry point {ep.name} = "
+                f"{ep.value} is not an EvictionPolicy subclass"
+            )
+        if getattr(cls, "name", None) != ep.name:
+            raise ValueError(
+                f"{ENTRY_POINT_GROUP} entry point {ep.name} names "
+                f"a policy called {getattr(cls, 'name', None)!r}"
+            )
+        if POLICIES.get(ep.name) is not cls:  # its module may register it too
+            register_policy(cls)
+
+
+_register_plugins()
+
 
 def create_policy(
     name: str, budget: int, config: dict[str, Any] | None = None
@@ -27,7 +52,7 @@ def create_policy(
 
     Args:
         name: A key of `POLICIES` ("h2o", "streamingllm", "scissorhands",
-            "random").
+            "random", or an installed plug-in's).
         budget: Live tokens kept per request (> 0).
         config: Policy knobs; see each policy's docstring.
 
@@ -47,6 +72,7 @@ def create_policy(
 
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "POLICIES",
     "EvictionPolicy",
     "RequestView",
