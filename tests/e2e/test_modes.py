@@ -76,3 +76,18 @@ def test_nothing_evicted_means_native_output_to_the_bit(engine, policy):
     assert run["counters"]["evicted_tokens"] == 0
     assert run["counters"]["moved_tokens"] == 0
     assert run["outputs"] == native["outputs"]
+
+
+def test_h2o_aggregate_max_is_a_different_heavy_hitter_choice(engine):
+    """`aggregate: max` scores a token by the head that attends it most, not
+    the mean over heads: the same budget, other tokens kept."""
+    runs = {}
+    for aggregate in ("mean", "max"):
+        s = spec("h2o", "naive")
+        s["engine"]["kv_eviction_config"] = {"aggregate": aggregate}
+        runs[aggregate] = engine({**s, "record_dead": True})
+    mean, top = runs["mean"]["dead"], runs["max"]["dead"]
+    assert mean.keys() == top.keys() == {str(i) for i in range(6)}
+    # Every request is evicted to the same budget, but not of the same tokens.
+    assert [len(v) for v in mean.values()] == [len(v) for v in top.values()]
+    assert any(mean[k] != top[k] for k in mean)

@@ -178,6 +178,16 @@ def test_persistence_counts_steps_at_or_above_uniform_attention():
         fold(acc, keys, [[0.0] * 4], norm=0.0)
 
 
+def test_max_aggregate_keeps_the_largest_mass_one_head_of_one_layer_gave():
+    acc = ScoreAccumulator("sum", aggregate="max")
+    # Two layers; norm (layers * heads) does not apply to a max.
+    fold(acc, {"a": [0, 1, 2]}, [[0.9, 0.1, 0.0], [0.2, 0.7, 0.1]], norm=8.0)
+    fold(acc, {"a": [0, 1, 2]}, [[0.5, 0.0, 0.0]], norm=8.0)
+    np.testing.assert_allclose(acc.scores("a", np.arange(3)), [1.4, 0.7, 0.1])
+    with pytest.raises(AssertionError):
+        ScoreAccumulator("sum", aggregate="median")
+
+
 def test_windowed_persistence_is_a_moving_average_of_importance():
     acc = ScoreAccumulator("persistence", window=4)
     # norm 1, 1 query, 2 keys: important iff mass >= 0.5.

@@ -222,6 +222,18 @@ def test_each_adapter_is_under_50_lines(module):
     assert len(code) < 50, f"{module}: {len(code)} non-blank, non-comment lines"
 
 
+def test_score_policies_take_an_aggregate_knob():
+    for name in ("h2o", "scissorhands"):
+        assert create_policy(name, 8).score_aggregate == "mean"
+        assert create_policy(name, 8, {"aggregate": "max"}).score_aggregate == "max"
+        with pytest.raises(
+            ValueError, match=r"aggregate must be one of \['mean', 'max'\]"
+        ):
+            create_policy(name, 8, {"aggregate": "median"})
+    with pytest.raises(ValueError, match="unknown knob"):  # no scores to reduce
+        create_policy("streamingllm", 8, {"aggregate": "max"})
+
+
 def test_a_broken_plugin_entry_point_is_named(monkeypatch):
     import importlib.metadata as md
 

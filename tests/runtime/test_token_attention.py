@@ -25,14 +25,12 @@ ops = pytest.importorskip(
 
 
 class RecordingScores:
-    def __init__(self):
+    def __init__(self, aggregate="mean"):
         self.calls = []
+        self.aggregate = aggregate
 
-    def add(self, slots, mass):
-        self.calls.append((slots.clone(), mass.clone()))
-
-    def move(self, src, dst):
-        raise AssertionError("attention never moves scores")
+    def add(self, pos, mass):
+        self.calls.append((pos.clone(), mass.clone()))
 
 
 def make_batch(
@@ -273,9 +271,10 @@ def test_all_live_matches_vllm_cpu_kernel(isa, block):
     torch.testing.assert_close(ours, native, atol=1e-5, rtol=1e-5)
 
 
-def test_scores_mass_equals_dense_attention_mass():
+@pytest.mark.parametrize("aggregate", ["mean", "max"])
+def test_scores_mass_equals_dense_attention_mass(aggregate):
     b = make_batch(9, **SHAPES["mixed"])
-    rec = RecordingScores()
+    rec = RecordingScores(aggregate)
     out = run_cpu(b, scores=rec)
     torch.testing.assert_close(out, reference(b), atol=1e-5, rtol=1e-5)
     assert len(rec.calls) == 1
@@ -295,15 +294,17 @@ def test_scores_mass_equals_dense_attention_mass():
         lq, lk = logits.shape[1:]
         causal = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
         probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
-        expected.append(probs.sum(dim=(0, 1)))
+        per_head = probs.sum(dim=1)  # [Hq, Lk]: each head's mass over the queries
+        expected.append(per_head.amax(0) if aggregate == "max" else per_head.sum(0))
     torch.testing.assert_close(mass.double(), torch.cat(expected), atol=1e-5, rtol=1e-5)
-    # Every query row of every head sums to one.
-    assert abs(mass.sum().item() - b["query"].shape[0] * b["query"].shape[1]) < 1e-3
+    if aggregate == "mean":  # every query row of every head sums to one
+        total = b["query"].shape[0] * b["query"].shape[1]
+        assert abs(mass.sum().item() - total) < 1e-3
     # The score module's oracle agrees: same GQA head mapping and causal mask.
     kv_loc = b["kv_indptr"]
     for r in range(len(qsl) - 1):
         want = attention_mass(
-            b["query"][qsl[r] : qsl[r + 1]], b["live_k"][r], b["scale"]
+            b["query"][qsl[r] : qsl[r + 1]], b["live_k"][r], b["scale"], aggregate
         )
         got = mass[kv_loc[r] : kv_loc[r + 1]]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

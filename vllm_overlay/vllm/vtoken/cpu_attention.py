@@ -192,8 +192,9 @@ def cpu_token_attention(
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     out = output.view(output.shape[0], num_q_heads, head_dim)
     masses = []
+    top = scores is not None and scores.aggregate == "max"
     if plan.decode:
-        mass = _decode_batched(query, key_cache, value_cache, out, plan, scale)
+        mass = _decode_batched(query, key_cache, value_cache, out, plan, scale, top)
         masses.append(mass[plan.valid])
     if plan.others:
         key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
@@ -211,7 +212,8 @@ def cpu_token_attention(
                 )
             else:
                 probs = _probs(q, k, mask, scale)  # [Hq, Lq, Lk] fp32
-                masses.append(probs.sum(dim=(0, 1)))
+                per_head = probs.sum(dim=1)
+                masses.append(per_head.amax(dim=0) if top else per_head.sum(dim=0))
                 if not plan.other_write[i]:
                     continue  # read for its scores only
                 o = probs @ _repeat_kv(v, num_q_heads).float()
@@ -227,12 +229,14 @@ def _decode_batched(
     out: torch.Tensor,
     plan: CpuReadPlan,
     scale: float,
+    top: bool = False,
 ) -> torch.Tensor:
     # Requests with one query each, in one padded batch: a handful of ops per
     # layer instead of several per request, which dominate CPU decode steps.
     # K and V are gathered straight from the cache into the [R, H, W, D] layout
     # the matmuls want (one copy each; V rows are contiguous, so index_select,
-    # several times faster than advanced indexing). Returns the mass [R, W].
+    # several times faster than advanced indexing). Returns the mass [R, W],
+    # summed over query heads, or the largest one head gave (`top`).
     num_blocks, heads, block, head_dim = key_cache.shape
     num_reqs, num_q_heads = len(plan.decode), query.shape[1]
     h = torch.arange(heads)[None, :, None]
@@ -252,7 +256,7 @@ def _decode_batched(
         probs_w = probs
     o = torch.matmul(probs_w, v.float())  # [R', H, G, D]
     out[rows] = o.reshape(len(rows), num_q_heads, head_dim).to(out.dtype)
-    return probs.sum(dim=(1, 2))
+    return probs.amax(dim=(1, 2)) if top else probs.sum(dim=(1, 2))
 
 
 def _repeat_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:

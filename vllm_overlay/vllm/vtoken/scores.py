@@ -23,6 +23,13 @@ zero when it first appears.
                    (the token was important this step; Scissorhands), then
                    acc += (imp - acc) / window: the moving average of imp
                    over `window` steps (acc += imp without a window)
+
+`aggregate` "mean" (the default) sums the mass over layers and query heads and
+divides by their number (norm); "max" keeps, per key, the largest mass one
+query head of one layer gave it (summed over the step's queries), norm 1: a
+token any head relies on counts fully, which approximates the union of
+per-head H2O selections (one slot holds every head's K/V, so eviction is per
+token).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class ScoreAccumulator:
         mode: str,
         device: str | torch.device = "cpu",
         window: int | None = None,
+        aggregate: str = "mean",
     ) -> None:
         """
         Args:
@@ -49,11 +57,13 @@ class ScoreAccumulator:
             device: Where the step buffer lives (the KV cache's device).
             window: "persistence": average importance over this many steps
                 (>= 1); None counts the steps.
+            aggregate: "mean" or "max" over layers and query heads (above).
         """
-        assert mode in SCORE_MODES, mode
+        assert mode in SCORE_MODES and aggregate in ("mean", "max"), (mode, aggregate)
         assert window is None or (mode == "persistence" and window >= 1), window
         self.mode = mode
         self.window = window
+        self.aggregate = aggregate
         self.device = torch.device(device)
         self._acc: dict[str, np.ndarray] = {}
         self._step = torch.zeros(0, dtype=torch.float32, device=self.device)
@@ -69,10 +79,15 @@ class ScoreAccumulator:
             pos: int [n] positions of the keys in the step's read order
                 (`TokenRead.kv_slots`).
             attn_mass: float [n] probability mass each key received this layer,
-                summed over heads and query rows.
+                summed over query rows, and over heads ("mean") or the most
+                one head gave ("max").
         """
         idx = torch.as_tensor(pos, device=self.device).to(torch.int64)
-        self._step.index_add_(0, idx, attn_mass.to(self.device, torch.float32))
+        mass = attn_mass.to(self.device, torch.float32)
+        if self.aggregate == "max":
+            self._step.scatter_reduce_(0, idx, mass, "amax")
+        else:
+            self._step.index_add_(0, idx, mass)
 
     def finish_step(
         self,
@@ -99,6 +114,8 @@ class ScoreAccumulator:
             len(key_idx),
         )
         mass = self._step.cpu().numpy()  # the step's one device-to-host copy
+        if self.aggregate == "max":
+            norm = 1.0  # one head of one layer, not their sum
         klen = np.diff(indptr)
         if self.mode == "sum":
             gain = mass / norm

@@ -126,7 +126,8 @@ def triton_forward(
         slots = read.kv_slots[k0:k1]
         keys = kv_cache[slots // B, 0, slots % B]
         pos = torch.arange(k0, k1, device=slots.device)
-        read.scores.add(pos, attention_mass(query[q0:q1], keys, scale))
+        mass = attention_mass(query[q0:q1], keys, scale, read.scores.aggregate)
+        read.scores.add(pos, mass)
 
 
 def slots_to_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -240,23 +241,27 @@ def triton_token_attention(
     )
 
 
-def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_mass(
+    q: torch.Tensor, k: torch.Tensor, scale: float, aggregate: str = "mean"
+) -> torch.Tensor:
     """Attention probability mass per key, over already-gathered keys.
 
     The GPU score path: `unified_attention` returns no probabilities, so H2O
     and Scissorhands recompute them here (materializes [Hq, Lq, Lk] fp32).
 
     softmax(q k^T * scale) with a bottom-right causal mask (query i of Lq sits
-    at position Lk - Lq + i), summed over query heads and query rows. GQA: query
-    head h reads KV head h // (Hq // Hkv).
+    at position Lk - Lq + i), summed over query rows, then over query heads
+    ("mean") or their max ("max"). GQA: query head h reads KV head
+    h // (Hq // Hkv).
 
     Args:
         q: [Lq, Hq, D] queries.
         k: [Lk, Hkv, D] keys; Hq must be a multiple of Hkv.
         scale: Softmax scale, usually D ** -0.5.
+        aggregate: "mean" or "max" over query heads (scores.py).
 
     Returns:
-        float32 [Lk]; sums to Hq * Lq.
+        float32 [Lk]; with "mean" it sums to Hq * Lq.
 
     """
     lq, hq, d = q.shape
@@ -267,4 +272,5 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tens
     pos_q = torch.arange(lq, device=q.device) + (lk - lq)
     mask = torch.arange(lk, device=q.device)[None, :] > pos_q[:, None]  # [Lq, Lk]
     probs = torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
-    return probs.sum(dim=(0, 1))
+    per_head = probs.sum(dim=1)  # [Hq, Lk]
+    return per_head.amax(dim=0) if aggregate == "max" else per_head.sum(dim=0)

@@ -78,7 +78,11 @@ class VTokenWorker:
             cfg.kv_eviction_policy, UNBOUNDED_BUDGET, cfg.policy_knobs()
         )
         mode, window = policy.score_mode, policy.score_window
-        self.scores = ScoreAccumulator(mode, device, window) if mode else None
+        self.scores = (
+            ScoreAccumulator(mode, device, window, policy.score_aggregate)
+            if mode
+            else None
+        )
         layout = "cpu" if device.type == "cpu" else "triton"
         # CPU cache [2, N, H, B, D]: the read plan addresses V rows per KV head.
         self._num_kv_heads = kv_caches[0].shape[2] if layout == "cpu" else 0

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
+AGGREGATES = ("mean", "max")  # the `aggregate` knob of score policies
 
 
 def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
@@ -62,6 +63,10 @@ class EvictionPolicy(ABC):
     defaults: ClassVar[dict[str, Any]] = {}
     # Steps a "persistence" score averages over (None: it counts forever).
     score_window: int | None = None
+    # How a step's attention is reduced over layers and query heads: "mean",
+    # or "max" (a token one head attends strongly counts fully). The knob
+    # `aggregate` of every policy with a score_mode.
+    score_aggregate: str | None = None
 
     def __init__(self, budget: int, **knobs: Any) -> None:
         """Builds the policy.
@@ -77,14 +82,24 @@ class EvictionPolicy(ABC):
             raise ValueError(f"{self.name}: budget must be an int, got {budget!r}")
         if budget <= 0:
             raise ValueError(f"{self.name}: budget must be > 0, got {budget}")
-        unknown = sorted(set(knobs) - set(self.defaults))
+        defaults = dict(self.defaults)
+        if self.score_mode is not None:
+            defaults.setdefault("aggregate", "mean")
+        unknown = sorted(set(knobs) - set(defaults))
         if unknown:
             raise ValueError(
                 f"{self.name}: unknown knob(s) {unknown}; "
-                f"valid knobs: {sorted(self.defaults) or 'none'}"
+                f"valid knobs: {sorted(defaults) or 'none'}"
             )
         self.budget = int(budget)
-        self.knobs = {**self.defaults, **knobs}
+        self.knobs = {**defaults, **knobs}
+        if self.score_mode is not None:
+            self.score_aggregate = self.knobs["aggregate"]
+            if self.score_aggregate not in AGGREGATES:
+                raise ValueError(
+                    f"{self.name}: aggregate must be one of {list(AGGREGATES)}, "
+                    f"got {self.score_aggregate!r}"
+                )
         self._validate()
 
     def _validate(self) -> None:  # noqa: B027
