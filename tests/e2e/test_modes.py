@@ -16,7 +16,7 @@ WORKLOAD = {
     "sharegpt": {"n": 6, "min_tokens": 48, "max_tokens": 160},
     "max_tokens": 128,
 }
-POLICIES = ["h2o", "streamingllm", "scissorhands", "random"]
+POLICIES = ["h2o", "streamingllm", "scissorhands", "snapkv", "random"]
 
 
 def spec(policy: str, reclaim: str, budget: int = BUDGET) -> dict:

@@ -32,12 +32,13 @@ def view(live_idx, evictable=None, scores=None, rid="r", seed=0) -> RequestView:
 
 
 def test_registry_and_factory():
-    # The four built-ins, and the test plug-in from its entry point.
+    # The five built-ins, and the test plug-in from its entry point.
     assert sorted(POLICIES) == [
         "h2o",
         "oldest",
         "random",
         "scissorhands",
+        "snapkv",
         "streamingllm",
     ]
     assert POLICIES["oldest"].__module__ == "vtoken_oldest"
@@ -214,7 +215,8 @@ def test_scissorhands_restarts_ages_with_the_scores_after_a_preemption():
 
 
 @pytest.mark.parametrize(
-    "module", ["h2o.py", "streaming_llm.py", "scissorhands.py", "random_policy.py"]
+    "module",
+    ["h2o.py", "streaming_llm.py", "scissorhands.py", "snapkv.py", "random_policy.py"],
 )
 def test_each_adapter_is_under_50_lines(module):
     lines = (POLICY_DIR / module).read_text().splitlines()
@@ -232,6 +234,29 @@ def test_score_policies_take_an_aggregate_knob():
             create_policy(name, 8, {"aggregate": "median"})
     with pytest.raises(ValueError, match="unknown knob"):  # no scores to reduce
         create_policy("streamingllm", 8, {"aggregate": "max"})
+
+
+def test_snapkv_pools_the_window_scores_at_its_first_eviction():
+    policy = create_policy("snapkv", 8, {"window": 2, "kernel_size": 3})
+    assert policy.score_mode == "window" and policy.score_query_window == 2
+    idx = np.arange(12)
+    # The observation window looked at token 5 only. Pooled (avg, width 3),
+    # 4, 5 and 6 share its weight; the window (10, 11) is kept anyway.
+    scores = np.zeros(12, np.float32)
+    scores[5] = 3.0
+    out = policy.evict_token(view(idx, scores=scores, rid="k"), 4)
+    assert sorted(out.tolist()) == [0, 1, 2, 3]  # oldest of the zero-scored
+    out = policy.evict_token(view(idx, scores=scores, rid="k"), 9)
+    # Decode (not pooled again): H2O's rule, so 4 and 6 go, 5 stays.
+    assert 5 not in out.tolist() and {4, 6} <= set(out.tolist())
+    policy.release("k")
+    out = create_policy("snapkv", 8, {"window": 2, "kernel_size": 1}).evict_token(
+        view(idx, scores=scores, rid="k"), 9
+    )
+    assert sorted(out.tolist()) == [0, 1, 2, 3, 4, 6, 7, 8, 9]  # no pooling
+    for bad in ({"kernel_size": 4}, {"pooling": "median"}, {"window": 0}):
+        with pytest.raises(ValueError):
+            create_policy("snapkv", 8, bad)
 
 
 def test_a_broken_plugin_entry_point_is_named(monkeypatch):

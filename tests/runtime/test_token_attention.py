@@ -25,9 +25,10 @@ ops = pytest.importorskip(
 
 
 class RecordingScores:
-    def __init__(self, aggregate="mean"):
+    def __init__(self, aggregate="mean", query_window=None):
         self.calls = []
         self.aggregate = aggregate
+        self.query_window = query_window
 
     def add(self, pos, mass):
         self.calls.append((pos.clone(), mass.clone()))
@@ -271,10 +272,13 @@ def test_all_live_matches_vllm_cpu_kernel(isa, block):
     torch.testing.assert_close(ours, native, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("aggregate", ["mean", "max"])
-def test_scores_mass_equals_dense_attention_mass(aggregate):
+@pytest.mark.parametrize(
+    "aggregate, window", [("mean", None), ("max", None), ("mean", 2)]
+)
+def test_scores_mass_equals_dense_attention_mass(aggregate, window):
+    """Window (SnapKV): only each request's last `window` queries count."""
     b = make_batch(9, **SHAPES["mixed"])
-    rec = RecordingScores(aggregate)
+    rec = RecordingScores(aggregate, window)
     out = run_cpu(b, scores=rec)
     torch.testing.assert_close(out, reference(b), atol=1e-5, rtol=1e-5)
     assert len(rec.calls) == 1
@@ -294,17 +298,18 @@ def test_scores_mass_equals_dense_attention_mass(aggregate):
         lq, lk = logits.shape[1:]
         causal = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
         probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
-        per_head = probs.sum(dim=1)  # [Hq, Lk]: each head's mass over the queries
+        per_head = probs[:, -(window or lq) :].sum(dim=1)  # [Hq, Lk] over queries
         expected.append(per_head.amax(0) if aggregate == "max" else per_head.sum(0))
     torch.testing.assert_close(mass.double(), torch.cat(expected), atol=1e-5, rtol=1e-5)
-    if aggregate == "mean":  # every query row of every head sums to one
+    if aggregate == "mean" and window is None:  # every query row, head sums to 1
         total = b["query"].shape[0] * b["query"].shape[1]
         assert abs(mass.sum().item() - total) < 1e-3
     # The score module's oracle agrees: same GQA head mapping and causal mask.
     kv_loc = b["kv_indptr"]
     for r in range(len(qsl) - 1):
+        q0 = max(qsl[r], qsl[r + 1] - (window or qsl[r + 1]))  # as triton_forward
         want = attention_mass(
-            b["query"][qsl[r] : qsl[r + 1]], b["live_k"][r], b["scale"], aggregate
+            b["query"][q0 : qsl[r + 1]], b["live_k"][r], b["scale"], aggregate
         )
         got = mass[kv_loc[r] : kv_loc[r + 1]]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -463,16 +468,19 @@ def test_one_plan_serves_every_layer():
     torch.testing.assert_close(outs[0], reference(b), atol=1e-5, rtol=1e-5)
 
 
-def test_score_only_requests_keep_the_rows_vllm_wrote():
+@pytest.mark.parametrize("window", [None, 2])
+def test_score_only_requests_keep_the_rows_vllm_wrote(window):
     """A request without a dead token is read for its masses only: its output
-    rows stay as vLLM's kernel wrote them; the others are overwritten."""
+    rows stay as vLLM's kernel wrote them; the others are overwritten. With a
+    query window (SnapKV) a score-only prefill computes its last rows only,
+    and its masses are the same."""
     b = make_batch(6, **SHAPES["mixed"])  # requests 0, 2 decode; 1, 3 prefill
     write = np.array([True, False, False, True])
     plan = build_cpu_read_plan(
         b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2, write
     )
     out = torch.full_like(b["query"], 7.0)
-    rec = RecordingScores()
+    rec = RecordingScores(query_window=window)
     cpu_token_attention(
         b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"], rec
     )
@@ -483,6 +491,6 @@ def test_score_only_requests_keep_the_rows_vllm_wrote():
             torch.testing.assert_close(out[rows], want[rows], atol=1e-5, rtol=1e-5)
         else:
             assert (out[rows] == 7.0).all()
-    full = RecordingScores()
+    full = RecordingScores(query_window=window)
     run_cpu(b, scores=full)  # the masses do not depend on what is written
-    torch.testing.assert_close(rec.calls[0][1], full.calls[0][1], atol=0, rtol=0)
+    torch.testing.assert_close(rec.calls[0][1], full.calls[0][1], atol=1e-6, rtol=0)

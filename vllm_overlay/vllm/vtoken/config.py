@@ -30,7 +30,15 @@ UNBOUNDED_BUDGET = 2**31 - 1
 # importing them: this module is imported with vllm.config.
 _PLUGINS = [ep.name for ep in importlib.metadata.entry_points(group="vtoken.policies")]
 EvictionPolicyName = Literal[
-    ("none", "h2o", "streamingllm", "scissorhands", "random", *sorted(_PLUGINS))
+    (
+        "none",
+        "h2o",
+        "streamingllm",
+        "scissorhands",
+        "snapkv",
+        "random",
+        *sorted(_PLUGINS),
+    )
 ]
 ReclaimMode = Literal["naive", "vtoken"]
 
@@ -43,7 +51,8 @@ class VTokenConfig:
     """Token eviction policy. "none" keeps stock vLLM behaviour (hooks idle).
     h2o: heavy hitters by accumulated attention plus a recent window;
     streamingllm: attention sinks plus a recent window; scissorhands: pivotal
-    tokens by persistence of importance; random: uniform, seeded. Installed
+    tokens by persistence of importance; snapkv: what the prompt's last queries
+    attend to, pooled; random: uniform, seeded. Installed
     packages add policies through the "vtoken.policies" entry point group."""
 
     kv_budget_tokens: int | None = Field(default=None, gt=0)

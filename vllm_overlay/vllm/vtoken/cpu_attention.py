@@ -211,8 +211,13 @@ def cpu_token_attention(
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
                 )
             else:
+                # SnapKV ("window" scores): only the last rows' attention counts,
+                # and a score-only read computes nothing else: O(window x Lk).
+                w = scores.query_window or q1 - q0
+                if not plan.other_write[i]:
+                    q, mask = q[:, -w:], None if mask is None else mask[-w:]
                 probs = _probs(q, k, mask, scale)  # [Hq, Lq, Lk] fp32
-                per_head = probs.sum(dim=1)
+                per_head = probs[:, -w:].sum(dim=1)
                 masses.append(per_head.amax(dim=0) if top else per_head.sum(dim=0))
                 if not plan.other_write[i]:
                     continue  # read for its scores only

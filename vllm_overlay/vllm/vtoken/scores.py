@@ -19,6 +19,9 @@ zero when it first appears.
                                        acc[rid][logical idx] folds the step:
 
     "sum"          acc += mass / (num_layers * num_heads)         (H2O)
+    "window"       the same, but a step's mass comes from its last
+                   `query_window` query rows only: a prefill scores the
+                   prompt by its observation window (SnapKV)
     "persistence"  imp = 1 if mass / (norm * num_queries) >= 1 / num_keys
                    (the token was important this step; Scissorhands), then
                    acc += (imp - acc) / window: the moving average of imp
@@ -37,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SCORE_MODES = ("sum", "persistence")
+SCORE_MODES = ("sum", "persistence", "window")
 
 
 class ScoreAccumulator:
@@ -49,6 +52,7 @@ class ScoreAccumulator:
         device: str | torch.device = "cpu",
         window: int | None = None,
         aggregate: str = "mean",
+        query_window: int | None = None,
     ) -> None:
         """
         Args:
@@ -58,12 +62,16 @@ class ScoreAccumulator:
             window: "persistence": average importance over this many steps
                 (>= 1); None counts the steps.
             aggregate: "mean" or "max" over layers and query heads (above).
+            query_window: "window": the query rows per step that count (>= 1).
         """
         assert mode in SCORE_MODES and aggregate in ("mean", "max"), (mode, aggregate)
         assert window is None or (mode == "persistence" and window >= 1), window
+        assert (mode == "window") == (query_window is not None), query_window
+        assert query_window is None or query_window >= 1, query_window
         self.mode = mode
         self.window = window
         self.aggregate = aggregate
+        self.query_window = query_window
         self.device = torch.device(device)
         self._acc: dict[str, np.ndarray] = {}
         self._step = torch.zeros(0, dtype=torch.float32, device=self.device)
@@ -117,7 +125,7 @@ class ScoreAccumulator:
         if self.aggregate == "max":
             norm = 1.0  # one head of one layer, not their sum
         klen = np.diff(indptr)
-        if self.mode == "sum":
+        if self.mode != "persistence":
             gain = mass / norm
         else:
             queries = np.repeat(np.asarray(num_queries, dtype=np.float64), klen)

@@ -126,6 +126,8 @@ def triton_forward(
         slots = read.kv_slots[k0:k1]
         keys = kv_cache[slots // B, 0, slots % B]
         pos = torch.arange(k0, k1, device=slots.device)
+        if read.scores.query_window is not None:  # SnapKV: the last rows only
+            q0 = max(q0, q1 - read.scores.query_window)
         mass = attention_mass(query[q0:q1], keys, scale, read.scores.aggregate)
         read.scores.add(pos, mass)
 

@@ -79,7 +79,13 @@ class VTokenWorker:
         )
         mode, window = policy.score_mode, policy.score_window
         self.scores = (
-            ScoreAccumulator(mode, device, window, policy.score_aggregate)
+            ScoreAccumulator(
+                mode,
+                device,
+                window,
+                policy.score_aggregate,
+                policy.score_query_window,
+            )
             if mode
             else None
         )

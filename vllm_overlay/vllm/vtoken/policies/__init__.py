@@ -12,7 +12,13 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from vllm.vtoken.policies import h2o, random_policy, scissorhands, streaming_llm
+from vllm.vtoken.policies import (
+    h2o,
+    random_policy,
+    scissorhands,
+    snapkv,
+    streaming_llm,
+)
 from vllm.vtoken.policies.base import (
     POLICIES,
     EvictionPolicy,
@@ -20,7 +26,7 @@ from vllm.vtoken.policies.base import (
     register_policy,
 )
 
-del h2o, random_policy, scissorhands, streaming_llm  # imported to register
+del h2o, random_policy, scissorhands, snapkv, streaming_llm  # imported to register
 
 ENTRY_POINT_GROUP = "vtoken.policies"
 
@@ -52,7 +58,7 @@ def create_policy(
 
     Args:
         name: A key of `POLICIES` ("h2o", "streamingllm", "scissorhands",
-            "random", or an installed plug-in's).
+            "snapkv", "random", or an installed plug-in's).
         budget: Live tokens kept per request (> 0).
         config: Policy knobs; see each policy's docstring.
 

@@ -67,6 +67,8 @@ class EvictionPolicy(ABC):
     # or "max" (a token one head attends strongly counts fully). The knob
     # `aggregate` of every policy with a score_mode.
     score_aggregate: str | None = None
+    # "window" scores: the query rows of a step whose attention counts.
+    score_query_window: int | None = None
 
     def __init__(self, budget: int, **knobs: Any) -> None:
         """Builds the policy.
