@@ -13,6 +13,7 @@ bench capacity --pools 64 128 --prompt-len 64 --gen-len 128 "$@"
 bench capacity --name capacity-long --pools 256 512 --prompt-len 384 --gen-len 128 "$@"
 bench overhead --requests 8 --prompt-len 128 --gen-len 128 --repeats 7 "$@"
 bench prefix --requests 8 --prompt-len 512 --gen-len 64 --budget 256 "$@"
+bench quality --requests 6 --prompt-len 128 --gen-len 96 "$@"
 bench sla --pool 96 --budget 128 --gen-len 128 --num-prompts 24 --rates 0.5 1 2 "$@"
 "$VTOKEN_PY" scripts/bench_planner.py
 "$VTOKEN_PY" scripts/bench_report.py

@@ -3,6 +3,7 @@
 # dummy-weight Llama-3.1-8B and Mistral-7B geometries, sized for one H100/H200 in
 # about 8 minutes (an estimate), on the vLLM of $VTOKEN_GPU_PY (default python3),
 # patched here if need be; stock runs on a twin of it with the series reversed.
+# VTOKEN_QUALITY_MODEL=DIR (a real model folder) adds the quality experiment.
 #
 #   scripts/bench_gpu.sh [--out DIR] [--models "llama-3.1-8b mistral-7b"]
 #   scripts/bench_gpu.sh --smoke [--out DIR]    # the same path on CPU, tiny model
@@ -50,8 +51,7 @@ else
   ovh=(--requests 64 --prompt-len 512 --gen-len 256 --repeats 2)
 fi
 vtoken_runtime_env
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+out=$(mkdir -p "$out" && cd "$out" && pwd)
 
 vtoken_apply_series "$py"  # the patched vLLM, and then its stock twin
 stock=$VTOKEN_CACHE/stock-twin-$VTOKEN_SERIES
@@ -65,34 +65,36 @@ if [ "$(cat "$stock/.vtoken-twin-of" 2>/dev/null)" != "$VTOKEN_SITE $VTOKEN_SERI
 fi
 export VTOKEN_PRISTINE=$stock
 
-t_all=$(date +%s)
+t_all=$SECONDS
 for model in $models; do
   dir=$out/$model
   mkdir -p "$dir"
   "$py" scripts/prepare.py "$model" --out "$out/models/$model" >&2
   bench() {
-    local t0; t0=$(date +%s)
+    local t0=$SECONDS
     log "$model: $1"
-    "$py" scripts/bench_vtoken.py "$@" --model "$out/models/$model" --prompts random \
-      --engine-json "$eng" --out-dir "$dir"
-    log "$model: $1 took $(( $(date +%s) - t0 )) s"
+    "$py" scripts/bench_vtoken.py "$1" --model "$out/models/$model" --prompts random \
+      --engine-json "$eng" --out-dir "$dir" "${@:2}"  # later flags win
+    log "$model: $1 took $(( SECONDS - t0 )) s"
   }
   bench memory "${mem[@]}" --policies h2o
   bench capacity "${cap[@]}"
   if [ "$model" = "${models%% *}" ]; then
     bench sla "${sla[@]}"
     bench overhead "${ovh[@]}"
+    if [ -n "${VTOKEN_QUALITY_MODEL:-}" ]; then  # quality needs real weights
+      bench quality --model "$VTOKEN_QUALITY_MODEL" --prompts sharegpt --requests 16 \
+        --prompt-len 1024 --gen-len 256 --engine-json "${eng/\"dummy\"/\"auto\"}"
+    fi
   fi
-  "$py" - "$dir/meta.json" "$device" "$model" <<'EOF'
-import json, sys, time
-path, device, model = sys.argv[1:]
-json.dump({"command": "scripts/bench_gpu.sh", "device": device,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "note": f"{model} geometry with random weights (scripts/prepare.py), "
-                   "random prompts, block size 16."}, open(path, "w"))
+  "$py" - "$dir/meta.json" "$device" "$(date -u '+%Y-%m-%d %H:%M UTC')" "$model" <<'EOF'
+import json, sys
+path, device, date, model = sys.argv[1:]
+note = f"{model} geometry with random weights (scripts/prepare.py), random prompts, block size 16."
+json.dump({"command": "scripts/bench_gpu.sh", "device": device, "date": date, "note": note}, open(path, "w"))
 EOF
 done
-log "all done in $(( $(date +%s) - t_all )) s; results in $out"
+log "all done in $(( SECONDS - t_all )) s; results in $out"
 if [ "$smoke" = 0 ] && [ "$out" = "$VTOKEN_REPO/docs/bench/gpu" ]; then
   "$py" scripts/bench_report.py
 fi

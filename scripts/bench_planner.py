@@ -41,7 +41,7 @@ def load_planner():
 
 def make_state(num_blocks: int, num_reqs: int, seed: int = 0) -> tuple[dict, list]:
     """plan_blocks' arrays (eligible block ids, their live counts, per-request
-    offsets), and each request's live tokens (logical idx, slot)."""
+    offsets), and each request's live tokens as pack_request's live_idx, live_slots."""
     rng = np.random.default_rng(seed)
     ids = rng.permutation(num_blocks).astype(np.int64)
     live = rng.integers(0, B + 1, size=num_blocks)
@@ -53,15 +53,14 @@ def make_state(num_blocks: int, num_reqs: int, seed: int = 0) -> tuple[dict, lis
     reqs = []
     for lo, hi in zip(indptr[:-1], indptr[1:], strict=True):
         blk, off = np.nonzero(live_mask[lo:hi])
-        reqs.append((blk * B + off, ids[lo + blk] * B + off))  # (idx, slots)
+        idx, slots = blk * B + off, ids[lo + blk] * B + off
+        reqs.append(dict(live_idx=idx, live_slots=slots, block_size=B))
     # Eligible blocks: every block but the request's tail (the last one).
     keep = np.ones(num_blocks, dtype=bool)
     keep[indptr[1:][per_req > 0] - 1] = False
-    return {
-        "block_ids": ids[keep].astype(np.int32),
-        "block_live": live[keep],
-        "req_indptr": np.r_[0, np.cumsum(np.maximum(per_req - 1, 0))],
-    }, reqs
+    blocks = {"block_ids": ids[keep].astype(np.int32), "block_live": live[keep]}
+    blocks["req_indptr"] = np.r_[0, np.cumsum(np.maximum(per_req - 1, 0))]
+    return blocks, reqs
 
 
 def one_step(planner, blocks: dict, reqs: list) -> tuple[float, float, int, int]:
@@ -71,16 +70,10 @@ def one_step(planner, blocks: dict, reqs: list) -> tuple[float, float, int, int]
     t1 = time.perf_counter()
     moved = 0
     for k, r in enumerate(plan.req_index):
-        idx, slots = reqs[r]
         src = plan.src_block_ids[plan.src_indptr[k] : plan.src_indptr[k + 1]]
         dst = plan.dst_block_ids[plan.dst_indptr[k] : plan.dst_indptr[k + 1]]
-        moved += planner.pack_request(
-            live_idx=idx,
-            live_slots=slots,
-            src_block_ids=src,
-            dst_block_ids=dst,
-            block_size=B,
-        ).idx.size
+        moves = planner.pack_request(**reqs[r], src_block_ids=src, dst_block_ids=dst)
+        moved += moves.idx.size
     return t1 - t0, time.perf_counter() - t1, len(plan.req_index), moved
 
 
@@ -92,34 +85,20 @@ def measure(planner, num_blocks: int, num_reqs: int) -> dict:
     plan_us = 1e6 * statistics.median(r[0] for r in runs)
     pack_us = 1e6 * statistics.median(r[1] for r in runs)
     step_us = 1e6 * statistics.median(r[0] + r[1] for r in runs)
-    return {
-        "blocks": num_blocks,
-        "requests": num_reqs,
-        "planned_requests": runs[0][2],
-        "moved_tokens": runs[0][3],
-        "plan_us": round(plan_us, 1),
-        "pack_us": round(pack_us, 1),
-        "step_us": round(step_us, 1),
-        "us_per_1k_blocks": round(step_us / (num_blocks / 1000), 1),
-    }
-
-
-def main() -> None:
-    planner = load_planner()
-    rows = [measure(planner, b, r) for b in BLOCKS for r in REQS]
-    meta = {
-        "block_size": B,
-        "threshold": THRESHOLD,
-        "repeats": REPEATS,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-    }
-    out = REPO / "docs/bench/planner.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print("\n".join(planner_section({"meta": meta, "rows": rows})) + f"wrote {out}")
+    row = {"blocks": num_blocks, "requests": num_reqs}
+    row |= {"planned_requests": runs[0][2], "moved_tokens": runs[0][3]}
+    row |= {"plan_us": round(plan_us, 1), "pack_us": round(pack_us, 1)}
+    row["step_us"] = round(step_us, 1)
+    row["us_per_1k_blocks"] = round(step_us / (num_blocks / 1000), 1)
+    return row
 
 
 if __name__ == "__main__":
-    main()
+    planner = load_planner()
+    rows = [measure(planner, b, r) for b in BLOCKS for r in REQS]
+    meta = {"block_size": B, "threshold": THRESHOLD, "repeats": REPEATS}
+    meta |= {"python": platform.python_version(), "numpy": np.__version__}
+    meta |= {"machine": platform.machine(), "cpus": os.cpu_count()}
+    result, out = {"meta": meta, "rows": rows}, REPO / "docs/bench/planner.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("\n".join(planner_section(result)) + f"wrote {out}")

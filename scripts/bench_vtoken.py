@@ -27,7 +27,7 @@ import time
 from engine_driver import VLLM, bench_serve, cli_flags, run_driver, serve
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-POLICIES = ["h2o", "streamingllm", "scissorhands", "random"]
+POLICIES = ["h2o", "streamingllm", "scissorhands", "snapkv", "random"]
 # (mode, policy, reclaim) compared side by side; naive and vtoken run H2O.
 MODES = [
     ("native", "none", "-"),
@@ -375,12 +375,80 @@ def cmd_prefix(args) -> dict:
     return {**pick(args, "prompt_len", "gen_len", "budget", "requests"), "results": out}
 
 
+def agreement(ref: list[int], out: list[int]) -> dict:
+    """Greedy agreement of one output with native's (as long): exact, common
+    prefix, ROUGE-L F1 (longest common subsequence over tokens)."""
+    pairs = enumerate(zip(ref, out, strict=True))
+    prefix = next((i for i, (a, b) in pairs if a != b), len(ref))
+    lcs = [0] * (len(out) + 1)  # one row of the LCS table at a time
+    for a in ref:
+        diag = 0
+        for j, b in enumerate(out):
+            diag, lcs[j + 1] = (
+                lcs[j + 1],
+                diag + 1 if a == b else max(lcs[j + 1], lcs[j]),
+            )
+    return {"exact": float(ref == out), "prefix": prefix, "rouge_l": lcs[-1] / len(ref)}
+
+
+def cmd_quality(args) -> dict:
+    """Per policy and budget (a share of each full sequence), how far outputs
+    move from native's: greedy agreement, and the mean log-probability the
+    evicted cache gives native's tokens, teacher-forced along them (the
+    drop from native's own). A budget past every sequence evicts nothing."""
+    wave = workload(args, args.requests, args.prompt_len)
+    native = run_driver({"engine": engine_args(args), **wave})["outputs"]
+    ref = [native[str(i)] for i in range(len(native))]
+    forced = {**wave, "force": ref}
+    own = run_driver({"engine": engine_args(args), **forced})["logprobs"]
+    full, out = args.prompt_len + args.gen_len, {}
+    for policy, share in itertools.product(args.policies, (0.25, 0.5, 0.75, 2.0)):
+        eng = engine_args(args, **policy_args(policy, int(share * full), "vtoken"))
+        run, tf = (
+            run_driver({"engine": eng, **wave}),
+            run_driver({"engine": eng, **forced}),
+        )
+        rows = [agreement(r, run["outputs"][str(i)]) for i, r in enumerate(ref)]
+        drop = [
+            statistics.fmean(own[k]) - statistics.fmean(tf["logprobs"][k]) for k in own
+        ]
+        out[f"{policy}/{share}"] = r = {
+            **{k: statistics.fmean(x[k] for x in rows) for k in rows[0]},
+            "logprob_drop": statistics.fmean(drop),
+            **{k: run["counters"][k] for k in ("evicted_tokens", "moved_tokens")},
+        }
+        print(f"quality {policy:12s} {share:4.2f} {r}")
+    return {
+        **pick(args, "prompt_len", "gen_len", "requests", "policies"),
+        "results": out,
+    }
+
+
+def plot_quality(data: dict, png: pathlib.Path) -> None:
+    with figure(png, ncols=2, width=12) as (a, b):
+        for policy in data["policies"]:
+            pts = [
+                (float(k.split("/")[1]), v)
+                for k, v in data["results"].items()
+                if k.startswith(policy + "/") and float(k.split("/")[1]) <= 1
+            ]
+            x = [100 * p for p, _ in pts]
+            a.plot(x, [v["rouge_l"] for _, v in pts], marker="o", label=policy)
+            b.plot(x, [v["logprob_drop"] for _, v in pts], marker="o", label=policy)
+        a.set_ylabel("ROUGE-L F1 vs native (greedy)")
+        b.set_ylabel("log-prob drop on native's tokens (nats/token)")
+        for ax in (a, b):
+            ax.set_xlabel("budget, % of the sequence")
+            ax.legend()
+
+
 EXPERIMENTS = {  # name: (run, plot or None)
     "memory": (cmd_memory, plot_memory),
     "capacity": (cmd_capacity, plot_capacity),
     "sla": (cmd_sla, plot_sla),
     "overhead": (cmd_overhead, None),
     "prefix": (cmd_prefix, None),
+    "quality": (cmd_quality, plot_quality),
 }
 
 

@@ -13,8 +13,6 @@ import pathlib
 import re
 import sys
 
-REQUIRED = ("Description:", "Forwarded:", "Last-Update:")
-
 
 def series_entries(patch_dir: pathlib.Path) -> list[str]:
     lines = (patch_dir / "series").read_text().splitlines()
@@ -23,27 +21,23 @@ def series_entries(patch_dir: pathlib.Path) -> list[str]:
 
 def patch_problems(name: str, text: str) -> list[str]:
     header = text.split("\n---\n", 1)[0]
-    problems = [
-        f"{name}: DEP-3 header has no {field} field"
-        for field in REQUIRED
-        if not re.search(rf"^{field}", header, re.M)
-    ]
-    if "Drop when:" not in header:
-        problems.append(f"{name}: Description has no 'Drop when:' paragraph")
-    if "\n--- /dev/null" in text:
-        problems.append(f"{name}: creates a file (put new files in vllm_overlay/)")
-    if not text.endswith("\n"):
-        problems.append(f"{name}: does not end with a newline")
-    if not re.search(r"^\+\+\+ b/", text, re.M):
-        problems.append(f"{name}: contains no diff")
-    return problems
+    checks = {
+        f"DEP-3 header has no {field} field": not re.search(rf"^{field}", header, re.M)
+        for field in ("Description:", "Forwarded:", "Last-Update:")
+    }
+    checks |= {
+        "Description has no 'Drop when:' paragraph": "Drop when:" not in header,
+        "creates a file (put new files in vllm_overlay/)": "\n--- /dev/null" in text,
+        "does not end with a newline": not text.endswith("\n"),
+        "contains no diff": not re.search(r"^\+\+\+ b/", text, re.M),
+    }
+    return [f"{name}: {why}" for why, failed in checks.items() if failed]
 
 
 def check(patch_dir: pathlib.Path) -> list[str]:
     if not (patch_dir / "series").is_file():
         return [f"{patch_dir}/series is missing"]
-    problems: list[str] = []
-    seen: set[str] = set()
+    problems, seen = [], set()
     for name in series_entries(patch_dir):
         if name in seen:
             problems.append(f"{name} is listed twice in series")
@@ -58,16 +52,9 @@ def check(patch_dir: pathlib.Path) -> list[str]:
     return problems
 
 
-def main() -> int:
+if __name__ == "__main__":
     repo = pathlib.Path(__file__).resolve().parents[1]
     patch_dir = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else repo / "patches"
-    problems = check(patch_dir)
-    for p in problems:
-        print(f"check_patches: {p}", file=sys.stderr)
-    if not problems:
-        print(f"check_patches: {len(series_entries(patch_dir))} patches ok")
-    return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if problems := check(patch_dir):
+        sys.exit("\n".join(f"check_patches: {p}" for p in problems))  # exits 1
+    print(f"check_patches: {len(series_entries(patch_dir))} patches ok")

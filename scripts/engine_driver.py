@@ -21,6 +21,8 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
   histogram, record_dead   record how many held blocks have 0..B live tokens
               (every step), each request's evicted tokens (as of its last step)
   count_calls  count the Python and C calls engine steps make (slower)
+  force       per request, token ids to emit (teacher forcing, ForceTokens); the
+              run then records "logprobs": the model's own for each forced token
   search      {"lo": a, "hi": b, "wave": W}: instead, bisect on one engine for
               the largest N in [a, b] such that workload W with N prompts runs
               them all at once with no preemption; every run is under "tried"
@@ -242,17 +244,19 @@ class Driver:
         extra = wave.get("extra_args") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (wave.get("aborts") or {}).items()}
         free_start, outputs, finish_t, steps = pool.get_num_free_blocks(), {}, {}, []
-        cached, dead, vt = {}, {}, getattr(sched, "vtoken", None)
+        cached, dead, logprobs, vt = {}, {}, {}, getattr(sched, "vtoken", None)
         self.counts = {"preemptions": 0, "max_scheduled": 0}
         t0, added = time.monotonic(), 0
         while added < len(prompts) or engine.has_unfinished_requests():
             step = len(steps)
             for i in (i for i, at in enumerate(arrivals) if at == step):
+                force = {"force": wave["force"][i]} if "force" in wave else None
                 params = SamplingParams(
                     temperature=0.0,
                     max_tokens=lengths[i],
                     ignore_eos=True,
-                    extra_args=extra[i],
+                    extra_args=force or extra[i],
+                    logprobs=0 if force else None,  # raw: before ForceTokens
                 )
                 prompt = {"prompt_token_ids": prompts[i]}  # a TokensPrompt
                 engine.add_request(f"{tag}{i}", prompt, params)
@@ -265,6 +269,9 @@ class Driver:
                 outputs[rid] = list(out.outputs[0].token_ids)
                 finish_t[rid] = time.monotonic() - t0
                 cached[rid] = out.num_cached_tokens  # prefix-cache hits
+                if "force" in wave:
+                    pairs = zip(out.outputs[0].logprobs, outputs[rid], strict=True)
+                    logprobs[rid] = [lp[t].logprob for lp, t in pairs]
                 if turns and (i := int(rid) + 1) < len(prompts):
                     arrivals[i] = step + 1
                     if turns["kind"] == "chat":
@@ -288,6 +295,7 @@ class Driver:
             "generate_s": time.monotonic() - t0,
             "finish_t": finish_t,
             "cached_tokens": cached,
+            "logprobs": logprobs,
             "dead": {k[len(tag) :].split("-")[0]: v.tolist() for k, v in dead.items()},
             # All requests ran in one step at some point, and none was preempted.
             "sustained": self.counts["preemptions"] == 0
@@ -314,10 +322,34 @@ class Driver:
         return {"tried": tried, "max_concurrency": lo, "at_max": at_max}
 
 
+def force_tokens():
+    """A logits processor that makes a request emit extra_args["force"]."""
+    import torch
+
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ForceTokens(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            force = (params.extra_args or {}).get("force")
+
+            def forced(output_ids, logits):
+                only = torch.full_like(logits, float("-inf"))
+                only[force[min(len(output_ids), len(force) - 1)]] = 0.0
+                return only
+
+            return forced if force else None
+
+    return ForceTokens
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    driver = Driver(spec.get("engine", {}))
+    processors = {"logits_processors": [force_tokens()]} if "force" in spec else {}
+    driver = Driver({**spec.get("engine", {}), **processors})
     if "search" in spec:
         result = driver.search(**spec["search"])
     else:

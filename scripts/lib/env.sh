@@ -8,6 +8,7 @@ export VTOKEN_MODEL_DIR=${VTOKEN_MODEL_DIR:-$VTOKEN_CACHE/models/SmolLM2-135M-In
 export VTOKEN_SHAREGPT=${VTOKEN_SHAREGPT:-$VTOKEN_CACHE/data/ShareGPT_V3_repaired.json}
 export VTOKEN_PRISTINE=${VTOKEN_PRISTINE:-$VTOKEN_CACHE/pristine-$(head -n1 "$VTOKEN_REPO/VLLM_VERSION")}
 VTOKEN_PY=$VTOKEN_VENV/bin/python
+VTOKEN_TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
 vtoken_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
@@ -16,12 +17,10 @@ vtoken_new_venv() { rm -rf "$1"; python3 -m venv "$1"; "$1/bin/pip" install -q -
 
 # The CPU worker refuses to start without tcmalloc and Intel OpenMP preloaded.
 vtoken_runtime_env() {
-  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
-  export TOKENIZERS_PARALLELISM=false
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TOKENIZERS_PARALLELISM=false
   if ! vtoken_has_cuda; then
-    local tc=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
     local iomp=$VTOKEN_VENV/lib/libiomp5.so
-    case ":${LD_PRELOAD:-}:" in *libtcmalloc*) ;; *) export LD_PRELOAD=$tc:$iomp${LD_PRELOAD:+:$LD_PRELOAD} ;; esac
+    case ":${LD_PRELOAD:-}:" in *libtcmalloc*) ;; *) export LD_PRELOAD=$VTOKEN_TCMALLOC:$iomp${LD_PRELOAD:+:$LD_PRELOAD} ;; esac
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
     export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
   fi
@@ -31,10 +30,9 @@ vtoken_runtime_env() {
 # that exact series is already there (an older one is reversed first). Sets
 # VTOKEN_SITE (the folder holding vllm/) and VTOKEN_SERIES (the series hash).
 vtoken_apply_series() {
-  local have
   VTOKEN_SITE=$("$1" -c 'import importlib.util as u, os; print(os.path.dirname(list(u.find_spec("vllm").submodule_search_locations)[0]))')
   VTOKEN_SERIES=$("$VTOKEN_REPO/apply.sh" --print-hash)
-  have=$(sed -n 's/^hash //p' "$VTOKEN_SITE/.vtoken/manifest" 2>/dev/null || true)
+  local have=$(sed -n 's/^hash //p' "$VTOKEN_SITE/.vtoken/manifest" 2>/dev/null || true)
   if [ "$have" != "$VTOKEN_SERIES" ]; then
     [ -z "$have" ] || "$VTOKEN_REPO/apply.sh" --reverse "$VTOKEN_SITE" >&2
     "$VTOKEN_REPO/apply.sh" "$VTOKEN_SITE" >&2
