@@ -63,3 +63,14 @@ def engine(engine_dir):
         return run_engine(spec, pristine=pristine)
 
     return _run
+
+
+def assert_within_budget(run: dict, budget: int) -> None:
+    """After its prefill step, no request of `run` holds more than budget + 1
+    live tokens (the new token is written before the policy evicts)."""
+    seen: set[str] = set()
+    for s in run["steps"]:
+        for rid, live in s["live"].items():
+            if rid in seen:
+                assert live <= budget + 1, (rid, s["step"], live)
+            seen.add(rid)

@@ -109,17 +109,24 @@ def brute_force(per_req, threshold):
     return out
 
 
-@pytest.mark.parametrize("seed", range(25))
-def test_matches_loop_reference(seed):
+def random_requests(seed: int, cached: bool = False):
+    """1-11 requests of 0-14 distinct blocks: (block id, live[, cached])."""
     rng = np.random.default_rng(seed)
     ids = rng.permutation(400)
     per_req, at = [], 0
     for _ in range(rng.integers(1, 12)):
         n = int(rng.integers(0, 15))
-        per_req.append(
-            [(int(b), int(rng.integers(0, B + 1))) for b in ids[at : at + n]]
-        )
+        blocks = [(int(b), int(rng.integers(0, B + 1))) for b in ids[at : at + n]]
+        if cached:
+            blocks = [(b, n, bool(rng.random() < 0.6)) for b, n in blocks]
+        per_req.append(blocks)
         at += n
+    return rng, per_req
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_matches_loop_reference(seed):
+    rng, per_req = random_requests(seed)
     threshold = float(rng.choice([0.3, 0.5, 0.75, 1.0]))
     assert as_lists(plan(per_req, threshold=threshold)) == brute_force(
         per_req, threshold
@@ -221,18 +228,7 @@ def around_cache_reference(per_req, threshold):
 
 @pytest.mark.parametrize("seed", range(25))
 def test_plan_around_cache_matches_loop_reference(seed):
-    rng = np.random.default_rng(seed)
-    ids = rng.permutation(400)
-    per_req, at = [], 0
-    for _ in range(rng.integers(1, 12)):
-        n = int(rng.integers(0, 15))
-        per_req.append(
-            [
-                (int(b), int(rng.integers(0, B + 1)), bool(rng.random() < 0.6))
-                for b in ids[at : at + n]
-            ]
-        )
-        at += n
+    rng, per_req = random_requests(seed, cached=True)
     threshold = float(rng.choice([0.3, 0.5, 0.75, 1.0]))
     assert around_cache(per_req, threshold) == around_cache_reference(
         per_req, threshold

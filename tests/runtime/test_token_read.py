@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tests.runtime.interpreter import run_under_interpreter
 
-_CHILD = """
+_SETUP = """
     from vllm.vtoken.context import TokenRead
     from vllm.vtoken.cpu_attention import build_cpu_read_plan, cpu_forward
     from vllm.vtoken.scores import ScoreAccumulator
@@ -37,6 +37,11 @@ _CHILD = """
     indptr = np.concatenate([[0], np.cumsum(lens)])
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     q = torch.randn(int(qsl[-1]), Hq, D, generator=gen)
+"""
+
+_CHILD = (
+    _SETUP
+    + """
     outs, accs = [], []
     for forward in ("cpu", "triton"):
         scores = ScoreAccumulator("sum")
@@ -62,32 +67,16 @@ _CHILD = """
     assert accs[0].sum() > 0
     print("TOKEN-READ-OK")
 """
+)
 
 
 def test_cpu_and_triton_reads_agree_under_interpreter():
     run_under_interpreter(_CHILD, "TOKEN-READ-OK")
 
 
-_MIXED = """
-    from vllm.vtoken.context import TokenRead
-    from vllm.vtoken.scores import ScoreAccumulator
-    from vllm.vtoken.triton_attention import build_triton_read_plan, triton_forward
-
-    def fold(scores, indptr, qsl, norm):  # requests a, b, c; keys by token
-        idx = np.concatenate([np.arange(n) for n in np.diff(indptr)])
-        scores.finish_step(list("abc"), indptr, idx, np.diff(qsl), norm)
-
-    gen = torch.Generator().manual_seed(5)
-    N, H, Hq, B, D = 10, 2, 4, 16, 32
-    lens, q_lens = [37, 12, 20], [1, 5, 20]
-    slots = torch.randperm(N * B, generator=gen)[: sum(lens)]
-    tri = torch.zeros(N, 2, B, H, D)
-    n, b = slots // B, slots % B
-    tri[n, 0, b] = torch.randn(len(slots), H, D, generator=gen)
-    tri[n, 1, b] = torch.randn(len(slots), H, D, generator=gen)
-    indptr = np.concatenate([[0], np.cumsum(lens)])
-    qsl = np.concatenate([[0], np.cumsum(q_lens)])
-    q = torch.randn(int(qsl[-1]), Hq, D, generator=gen)
+_MIXED = (
+    _SETUP
+    + """
     outs, accs = [], []
     # Every request on the read; then request 1 read for its scores only, its
     # rows holding what vLLM's kernel wrote before (here 7.0).
@@ -114,6 +103,7 @@ _MIXED = """
     assert plan.token_table is None and plan.rows.numel() == 0
     print("MIXED-READ-OK")
 """
+)
 
 
 def test_gpu_read_overwrites_only_the_rows_of_requests_with_a_dead_token():

@@ -164,7 +164,15 @@ def plan_blocks(
     prio = np.zeros_like(live) if dst_priority is None else np.asarray(dst_priority)
     assert prio.shape == live.shape, (prio.shape, live.shape)
     dst = dst[np.lexsort((block_size - live[dst], prio[dst], req[dst]))]
-    # Only as many destinations as the moved tokens need, densest first.
+    fresh = np.zeros(num_req, dtype=np.int64)
+    return _plan(ids, live, req, planned, src, dst, fresh, block_size)
+
+
+def _plan(ids, live, req, planned, src, dst, fresh, block_size) -> BlockPlan:
+    """The BlockPlan of entries `src` (sources, grouped by request) and `dst`
+    (destinations in order of preference): only as many destinations as the
+    moved tokens need; `fresh` [R] fresh blocks after them."""
+    num_req = planned.size
     need = np.bincount(req[src], weights=live[src], minlength=num_req)
     before = _cumsum_before_in_group(req[dst], block_size - live[dst], num_req)
     dst = dst[before < need[req[dst]]]
@@ -175,7 +183,7 @@ def plan_blocks(
         src_block_ids=ids[src].astype(np.int32),
         dst_indptr=_csr(req[dst], req_index),
         dst_block_ids=ids[dst].astype(np.int32),
-        num_fresh=np.zeros(req_index.size, dtype=np.int64),
+        num_fresh=fresh[req_index],
     )
 
 
@@ -280,19 +288,8 @@ def plan_around_cache(
     # the moved tokens need; fresh blocks take what they cannot.
     dst = np.flatnonzero(~is_src & ~cached & planned[req] & (live < B))
     dst = dst[np.lexsort((B - live[dst], req[dst]))]
-    need = np.bincount(req[src], weights=live[src], minlength=num_req)
-    before = _cumsum_before_in_group(req[dst], B - live[dst], num_req)
-    dst = dst[before < need[req[dst]]]
-    req_index = np.flatnonzero(planned)
     fresh = -(-np.maximum(m_c - holes_u, 0) // B)
-    return BlockPlan(
-        req_index=req_index,
-        src_indptr=_csr(req[src], req_index),
-        src_block_ids=ids[src].astype(np.int32),
-        dst_indptr=_csr(req[dst], req_index),
-        dst_block_ids=ids[dst].astype(np.int32),
-        num_fresh=fresh[req_index],
-    )
+    return _plan(ids, live, req, planned, src, dst, fresh, B)
 
 
 def pack_request(
