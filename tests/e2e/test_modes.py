@@ -49,6 +49,7 @@ def test_vtoken_equals_naive_and_holds_fewer_blocks(engine, policy):
     assert held_v[last_full] < held_n[last_full], (held_v[last_full], held_n[last_full])
     assert vtoken["counters"]["moved_tokens"] > 0
     assert naive["counters"]["moved_tokens"] == 0
+    assert_within_budget(vtoken, BUDGET)
     for run in (naive, vtoken):
         assert run["free_end"] == run["free_start"]
 
