@@ -154,6 +154,11 @@ def test_an_fp8_kv_cache_is_refused():
     [
         (lambda c: setattr(c.pass_config, "fuse_attn_quant", True), "fuse_attn_quant"),
         (lambda c: setattr(c, "splitting_ops", ["vllm::foo"]), "splitting_ops"),
+        # TRITON_ATTN calls the _with_output op: splitting the other captures it.
+        (
+            lambda c: setattr(c, "splitting_ops", ["vllm::unified_attention"]),
+            "splitting_ops",
+        ),
     ],
 )
 def test_cuda_graphs_that_would_capture_attention_are_refused(change, what):

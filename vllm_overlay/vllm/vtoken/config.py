@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
-# vLLM's attention ops; one of them must split CUDA graphs (run eagerly).
-_ATTENTION_OPS = ("vllm::unified_attention", "vllm::unified_attention_with_output")
+# The attention op TRITON_ATTN runs (it takes an output buffer): it must split
+# CUDA graphs, i.e. run eagerly, for the token read to be chosen per step.
+_ATTENTION_OP = "vllm::unified_attention_with_output"
 
 UNBOUNDED_BUDGET = 2**31 - 1
 # Plug-in policies (vllm.vtoken.policies) are choices too, named here without
@@ -226,7 +227,7 @@ class VTokenConfig:
                 "vLLM's read of every block, freed ones included",
             )
         ops = compilation.splitting_ops
-        if ops is not None and not set(ops) & set(_ATTENTION_OPS):
+        if ops is not None and _ATTENTION_OP not in ops:
             refuse(
                 f"splitting_ops {ops}",
                 "without attention among them a CUDA graph captures vLLM's "
