@@ -209,7 +209,7 @@ def test_attention_the_read_does_not_implement_is_refused(impl, what):
         (
             ["--kv-eviction-policy", "h2o", "--kv-eviction-config", '{"x": 1}'],
             "vllm serve: error: h2o: unknown knob(s) ['x']; valid knobs: "
-            "['recent_ratio']",
+            "['aggregate', 'recent_ratio']",
         ),
         (
             ["--kv-budget-tokens", "64"],
