@@ -30,7 +30,7 @@ move writes into it, and so does every later block of the chain (a block's hash
 chains on its predecessor's). Evacuation keeps them servable: their live tokens
 go to fresh blocks, and the emptied blocks return to vLLM's free queue with
 their hash and KV intact, hittable until the pool reuses them (docs/DESIGN.md
-§3.4)::
+§3.3)::
 
     cached  block 7: [ a  x  b  x ]   block 3: [ x  d  x  c ]
     after   fresh 12: [ a  b  d  c ]  blocks 7, 3 freed, still in the cache

@@ -172,7 +172,7 @@ class BlockReclaimer:
         Blocks the prefix cache can serve are evacuated into fresh blocks
         rather than written, while the pool has the fresh blocks to spare;
         otherwise memory comes first and they are destinations too, the end of
-        their hash chain first (docs/DESIGN.md §3.4).
+        their hash chain first (docs/DESIGN.md §3.3).
         """
         B = self.block_size
         rids, indptr, cand, pos, cached = [], [0], [], [], []
@@ -266,9 +266,8 @@ class BlockReclaimer:
             self._busy.update((int(b), batch_id) for b in dst_ids)
             rec.move_batch, rec.move_src, rec.move_dst = batch_id, src_blocks, dst_ids
             # Cached sources come first in a plan around the cache.
-            rec.move_detached = self._swap_in(
-                rid, new, src_blocks[: len(new)], position
-            )
+            rec.move_detached = src_blocks[: len(new)]
+            self._swap_in(rid, new, rec.move_detached, position)
             self.counters.evacuated_blocks += sum(
                 b.block_hash is not None for b in src_blocks
             )
@@ -297,11 +296,10 @@ class BlockReclaimer:
         fresh: list[KVCacheBlock],
         displaced: list[KVCacheBlock],
         position: dict[int, int],
-    ) -> list[KVCacheBlock]:
+    ) -> None:
         """Put each fresh block where an evacuated source was in the positional
         list, so that vLLM frees it with the request; the displaced sources
         are then held by the batch alone (RequestState.move_detached)."""
         positional = self.positional(rid)
         for new, old in zip(fresh, displaced, strict=True):
             positional[position[old.block_id]] = new
-        return displaced
