@@ -442,6 +442,61 @@ def plot_quality(data: dict, png: pathlib.Path) -> None:
             ax.legend()
 
 
+def cmd_scale(args) -> dict:
+    """vToken's host time per step at large batches, against native in the same
+    run: a dummy-weight model (--model; build one with `scripts/prepare.py
+    tiny-llama`), so the forward is cheap and per-step host work shows. Medians
+    over the steps where every request runs, the first two (prefill) left out."""
+    out = {}
+    for n in args.batches:
+        tokens = n * (args.prompt_len + args.gen_len)
+        eng = engine_args(
+            args,
+            load_format="dummy",
+            max_num_seqs=n,
+            max_num_batched_tokens=max(8192, n),
+            num_gpu_blocks_override=-(-tokens // 16) + 2 * n,
+            max_model_len=args.prompt_len + args.gen_len,
+        )
+        src = {"n": n, "min_tokens": 0, "max_tokens": args.prompt_len}
+        spec = {"random": src, "max_tokens": args.gen_len, "light": True}
+        for policy in ["none", *args.policies]:
+            extra = policy_args(policy, args.budget, "vtoken")
+            run = run_driver({"engine": {**eng, **extra}, **spec})
+            steady = [s for s in run["steps"] if s["running"] == n][2:]
+            row = {"step_ms": statistics.median(s["step_ms"] for s in steady)}
+            if policy != "none":
+                ns = [
+                    b["vtoken_ns"] - a["vtoken_ns"]
+                    for a, b in itertools.pairwise(steady)
+                ]
+                c = run["counters"]
+                row |= {
+                    "host_ms": 1e-6 * statistics.median(ns),
+                    "planner_ms": 1e-6 * c["planner_ns"] / max(1, c["plan_calls"]),
+                    "plan_calls": c["plan_calls"],
+                    "evicted_tokens": c["evicted_tokens"],
+                }
+                row["step_ratio"] = row["step_ms"] / out[f"{n}/none"]["step_ms"]
+            out[f"{n}/{policy}"] = row
+            print(f"scale {n:5d} {policy:13s} {row}")
+    return {"rows": out, **pick(args, "batches", "prompt_len", "gen_len", "budget")}
+
+
+def plot_scale(data: dict, png: pathlib.Path) -> None:
+    rows, batches = data["rows"], data["batches"]
+    policies = sorted({k.split("/")[1] for k in rows} - {"none"})
+    with figure(png) as ax:
+        for p in policies:
+            ax.plot(
+                batches, [rows[f"{n}/{p}"]["host_ms"] for n in batches], "o-", label=p
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("running requests")
+        ax.set_ylabel("vToken host time per step (ms)")
+        ax.legend()
+
+
 EXPERIMENTS = {  # name: (run, plot or None)
     "memory": (cmd_memory, plot_memory),
     "capacity": (cmd_capacity, plot_capacity),
@@ -449,6 +504,7 @@ EXPERIMENTS = {  # name: (run, plot or None)
     "overhead": (cmd_overhead, None),
     "prefix": (cmd_prefix, None),
     "quality": (cmd_quality, plot_quality),
+    "scale": (cmd_scale, plot_scale),
 }
 
 
@@ -473,6 +529,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     return p.parse_args()
 
 

@@ -21,6 +21,7 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
   histogram, record_dead   record how many held blocks have 0..B live tokens
               (every step), each request's evicted tokens (as of its last step)
   count_calls  count the Python and C calls engine steps make (slower)
+  light       record no per-request block state per step (large batches)
   force       per request, token ids to emit (teacher forcing, ForceTokens); the
               run then records "logprobs": the model's own for each forced token
   search      {"lo": a, "hi": b, "wave": W}: instead, bisect on one engine for
@@ -263,7 +264,9 @@ class Driver:
                 added += 1
             if to_abort := [f"{tag}{i}" for i, at in aborts.items() if at == step]:
                 engine.abort_request(to_abort)
+            t_step = time.perf_counter()
             outs = counted(engine.step, calls) if calls else engine.step()
+            t_step = time.perf_counter() - t_step
             for out in (o for o in outs if o.finished):
                 rid = out.request_id.removeprefix(tag)
                 outputs[rid] = list(out.outputs[0].token_ids)
@@ -280,7 +283,11 @@ class Driver:
                 dead[r.request_id] = vt.pool.dead_idx(r.request_id)
             t, free = time.monotonic() - t0, pool.get_num_free_blocks()
             state = dict(step=step, t=t, free=free, running=len(sched.running))
-            steps.append(block_state(sched, histogram) | state)
+            state["step_ms"] = 1e3 * t_step
+            if vt is not None:  # vToken's hooks, both sides, so far
+                state["vtoken_ns"] = vt.counters.scheduler_ns + vt.counters.worker_ns
+            light = wave.get("light")  # no per-request state: scale runs
+            steps.append(state if light else block_state(sched, histogram) | state)
             if len(steps) > 20000:
                 raise RuntimeError("engine did not finish")
         return {

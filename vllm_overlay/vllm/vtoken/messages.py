@@ -66,4 +66,5 @@ class VTokenWorkerOutput:
 
     acked_batches: list[int] = field(default_factory=list)
     copy_bytes: int = 0  # running total of KV bytes the worker's moves wrote
+    host_ns: int = 0  # running total of the worker's time in its vToken hooks
     scores: ScoreAccumulator | None = None  # a handle, see the module docstring

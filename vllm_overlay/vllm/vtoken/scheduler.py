@@ -42,7 +42,7 @@ from vllm.vtoken.policies import create_policy
 from vllm.vtoken.reclaimer import BlockReclaimer
 from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.request_state import RequestState
-from vllm.vtoken.stats import VTokenCounters, VTokenStats
+from vllm.vtoken.stats import VTokenCounters, VTokenStats, timed
 from vllm.vtoken.token_table import TokenTablePool
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class VTokenScheduler:
         )
 
     # ------------------------------------------------------------ step hooks
+    @timed("scheduler_ns")
     def begin_step(self, running: Iterable[Request]) -> None:
         """Enforce budgets on running requests; free blocks left fully dead."""
         recomputing, self._recomputing = self._recomputing, []
@@ -124,6 +125,7 @@ class VTokenScheduler:
             self.counters.evicted_tokens += int(dead.size)
             self.reclaimer.free_empty_blocks(rid, rec, dead)
 
+    @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
         """Slot this step's tokens, plan compaction, build the worker's message."""
         for rid, n in so.num_scheduled_tokens.items():
@@ -149,6 +151,7 @@ class VTokenScheduler:
             return None
         return VTokenStep(dead=dead, moves=moves)
 
+    @timed("scheduler_ns")
     def on_output(self, out: VTokenWorkerOutput | None) -> None:
         """Take the worker's scores and apply its acknowledged move batches."""
         if out is None:
@@ -156,6 +159,7 @@ class VTokenScheduler:
         if out.scores is not None:
             self._scores = out.scores
         self.counters.copy_bytes = out.copy_bytes
+        self.counters.worker_ns = out.host_ns
         for batch_id in out.acked_batches:
             self.apply_moves(batch_id)
         if integrity.CHECK:

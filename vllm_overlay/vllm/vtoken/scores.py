@@ -15,8 +15,9 @@ zero when it first appears.
     prepare   begin_step(K)            a zeroed device buffer, one entry per key
                                        of the step's TokenRead, in read order
     forward   add(pos, mass)           per layer, the mass each key received
-    end_step  finish_step(...)         one device-to-host copy, then per request
-                                       acc[rid][logical idx] folds the step:
+    end_step  finish_step(...)         one device-to-host copy, then one fold
+                                       into acc[rid][logical idx], batch-wide
+                                       (rows of an arena.RowArena):
 
     "sum"          acc += mass / (num_layers * num_heads)         (H2O)
     "window"       the same, but a step's mass comes from its last
@@ -40,11 +41,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm.vtoken.arena import RowArena
+
 SCORE_MODES = ("sum", "persistence", "window")
 
 
 class ScoreAccumulator:
-    """Running scores: a float32 array per request, by logical token."""
+    """Running scores: float32 per request and logical token."""
 
     def __init__(
         self,
@@ -73,7 +76,7 @@ class ScoreAccumulator:
         self.aggregate = aggregate
         self.query_window = query_window
         self.device = torch.device(device)
-        self._acc: dict[str, np.ndarray] = {}
+        self._acc = RowArena({"acc": (np.float32, 0.0)})
         self._step = torch.zeros(0, dtype=torch.float32, device=self.device)
 
     def begin_step(self, num_keys: int) -> None:
@@ -131,37 +134,43 @@ class ScoreAccumulator:
             queries = np.repeat(np.asarray(num_queries, dtype=np.float64), klen)
             # mean prob = mass / (norm * q) >= 1 / keys, without dividing.
             gain = (mass * np.repeat(klen, klen) >= norm * queries).astype(np.float32)
-        for r in np.flatnonzero(klen):
-            lo, hi = indptr[r], indptr[r + 1]
-            idx = np.asarray(key_idx[lo:hi], dtype=np.int64)
-            acc = self._row(req_ids[r], int(idx.max()) + 1)
-            if self.window is None:
-                acc[idx] += gain[lo:hi]
-            else:  # a moving average, not a count
-                acc[idx] += (gain[lo:hi] - acc[idx]) / self.window
+        read = np.flatnonzero(klen)
         self._step = self._step[:0]
+        if read.size == 0:
+            return
+        acc, ids = self._acc, [req_ids[r] for r in read]
+        for rid in set(ids).difference(acc.index):  # a row on first sight
+            acc.add(rid)
+        rows = acc.rows(ids)
+        idx = np.asarray(key_idx, dtype=np.int64)
+        acc.reserve(rows, np.maximum.reduceat(idx, indptr[read]) + 1)
+        pos = acc.start[np.repeat(rows, klen[read])] + idx
+        a = acc.data["acc"]
+        if self.window is None:
+            a[pos] += gain
+        else:  # a moving average, not a count
+            a[pos] += (gain - a[pos]) / self.window
 
     def scores(self, req_id: str, idx: np.ndarray) -> np.ndarray:
         """float32 [n]: `req_id`'s scores of logical tokens `idx` (0: unseen)."""
+        row = self._acc.index.get(req_id)
+        return self.scores_rows([req_id] if row is not None else [], idx)
+
+    def scores_rows(self, req_ids: list[str], idx: np.ndarray, seg=None) -> np.ndarray:
+        """float32 [n]: the scores of tokens idx[j] of requests req_ids[seg[j]]
+        (seg: all 0 when None), 0 for a token or request never scored."""
         idx = np.asarray(idx, dtype=np.int64)
         out = np.zeros(idx.size, dtype=np.float32)
-        acc = self._acc.get(req_id)
-        if acc is not None:
-            seen = idx < acc.size
-            out[seen] = acc[idx[seen]]
+        if not req_ids:
+            return out
+        rows = self._acc.rows_or_missing(req_ids)
+        seg = np.zeros(idx.size, np.int64) if seg is None else np.asarray(seg)
+        r = rows[seg]
+        seen = (r >= 0) & (idx < self._acc.cap[np.maximum(r, 0)])
+        out[seen] = self._acc.data["acc"][self._acc.start[r[seen]] + idx[seen]]
         return out
 
     def release(self, req_id: str) -> None:
         """Forgets a request's scores (finished, or preempted: they restart)."""
-        self._acc.pop(req_id, None)
-
-    def _row(self, req_id: str, size: int) -> np.ndarray:
-        acc = self._acc.get(req_id)
-        if acc is None or acc.size < size:  # grow by doubling
-            grown = np.zeros(
-                max(size, 2 * (0 if acc is None else acc.size)), np.float32
-            )
-            if acc is not None:
-                grown[: acc.size] = acc
-            self._acc[req_id] = acc = grown
-        return acc
+        if req_id in self._acc.index:
+            self._acc.remove(req_id)

@@ -9,6 +9,8 @@ never a scan of Token Tables or block lists).
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass, fields
 
 
@@ -23,6 +25,8 @@ class VTokenCounters:
     plan_calls: int = 0  # steps that ran the planner
     evacuated_blocks: int = 0  # prefix-cached blocks emptied, freed with their hash
     tight_plans: int = 0  # plans that wrote cached blocks: no fresh ones to spare
+    scheduler_ns: int = 0  # wall time inside the scheduler's per-step hooks
+    worker_ns: int = 0  # the same inside the worker's (its running total)
 
     def minus(self, other: VTokenCounters) -> VTokenCounters:
         return VTokenCounters(
@@ -49,3 +53,22 @@ class VTokenStats:
     moved_tokens: int = 0
     deferred_plans: int = 0
     copy_bytes: int = 0
+
+
+def timed(counter: str):
+    """Method decorator: adds the call's wall time to `self.counters.<counter>`
+    (the per-step hooks' host time, which scripts/bench_vtoken.py scale reads)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def hook(self, *args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                c = self.counters
+                setattr(c, counter, getattr(c, counter) + time.perf_counter_ns() - t0)
+
+        return hook
+
+    return wrap

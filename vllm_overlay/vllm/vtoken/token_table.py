@@ -17,27 +17,20 @@ Slot layout of one request (block_size B = 4, `x` = dead, `.` = unused)::
 A slot is *owned* by the live token mapped to it. Dead tokens keep their last slot
 (for `dead_idx` and late remaps) but own nothing: once their block is reclaimed and
 reused, a stale slot may coincide with a live token's.
+
+Storage is flat (arena.py), so a step's work over the batch is a fixed number
+of NumPy calls (`rows`, `append_rows`, `tokens`, `evict_rows`, `apply_moves`);
+the per-request methods are those on one row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from vllm.vtoken import integrity
-
-
-@dataclass(slots=True)
-class _Table:
-    """One request's Token Table; arrays grow by doubling."""
-
-    slot: np.ndarray  # int32 [capacity]: -1 at and past n_slotted
-    live: np.ndarray  # bool [capacity]: False past n_tokens
-    n_tokens: int = 0  # logical tokens known (ever slotted)
-    n_slotted: int = 0  # tokens [0, n_slotted) have a slot
-    n_live: int = 0  # live bits set in [0, n_tokens)
+from vllm.vtoken.arena import RowArena, segments
 
 
 def _as_index(values: np.ndarray | list[int], what: str) -> np.ndarray:
@@ -52,8 +45,9 @@ def _as_index(values: np.ndarray | list[int], what: str) -> np.ndarray:
 class TokenTablePool:
     """Token Tables of all requests plus the global per-block live counts.
 
-    Memory: 5 bytes per token (int32 slot + bool liveness), at most twice that
-    while an array has doubling slack; plus 4 bytes per physical block.
+    Memory: 5 bytes per token (int32 slot + bool liveness), at most four times
+    that with doubling slack and cleared regions; plus 4 bytes per physical
+    block and 40 per request row.
 
     Liveness counters (`num_live`, `total_live`) count live bits of every known
     token, slotted or not (a preempted request keeps its live set), and are O(1).
@@ -65,32 +59,91 @@ class TokenTablePool:
         self.block_size = int(block_size)
         self.num_slots = self.num_blocks * self.block_size
         self.block_live = np.zeros(self.num_blocks, dtype=np.int32)
-        self._tables: dict[str, _Table] = {}
+        # Per row: tokens known (ever slotted), slotted ([0, n_slotted) have
+        # a slot), live bits set; slot -1 and live False outside those.
+        self._a = RowArena(
+            {"slot": (np.int32, -1), "live": (bool, False)},
+            ("n_tokens", "n_slotted", "n_live"),
+        )
+        self._row = self._a.index
         self._total_live = 0
 
     # ------------------------------------------------------------ lifecycle
     def add_request(self, req_id: str) -> None:
         """Registers an empty table for a request not yet present."""
-        assert req_id not in self._tables, f"{req_id!r} already has a token table"
-        self._tables[req_id] = _Table(
-            slot=np.full(16, -1, dtype=np.int32), live=np.zeros(16, dtype=bool)
-        )
+        assert req_id not in self._row, f"{req_id!r} already has a token table"
+        self._a.add(req_id)
 
     def __contains__(self, req_id: str) -> bool:
-        return req_id in self._tables
+        return req_id in self._row
 
     def release(self, req_id: str) -> None:
         """Drops a finished or aborted request and its counts."""
-        t = self._tables.pop(req_id)
-        self._count(self._live_slots(t), -1)
-        self._total_live -= t.n_live
+        self.reset_slots(req_id)
+        self._total_live -= self.num_live(req_id)
+        self._a.remove(req_id)
 
     def reset_slots(self, req_id: str) -> None:
         """Preemption: slots become -1, block counts go, liveness bits stay."""
-        t = self._tables[req_id]
-        self._count(self._live_slots(t), -1)
-        t.slot[: t.n_slotted] = -1
-        t.n_slotted = 0
+        row = self._row[req_id]
+        self._count(self._live_slots(row), -1)
+        self._slot[self._a.span(row, self._n_slotted[row])] = -1
+        self._n_slotted[row] = 0
+
+    # ------------------------------------------------------------ batch ops
+    def rows(self, req_ids: Sequence[str]) -> np.ndarray:
+        """int64 [R]: the rows of registered requests (KeyError otherwise)."""
+        return self._a.rows(req_ids)
+
+    def append_rows(self, rows: np.ndarray, counts: np.ndarray, slots) -> None:
+        """`append` for distinct rows at once: row i gets the next counts[i]
+        entries of `slots` (flat, int, each in [0, num_slots), distinct)."""
+        s = self._as_slots(slots, "slots")
+        if s.size == 0:
+            return
+        rows, counts = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
+        assert counts.sum() == s.size, "counts do not add up to the slots"
+        first = self._n_slotted[rows]
+        end = first + counts
+        self._a.reserve(rows, end)
+        seg, k = segments(counts)
+        tok = first[seg] + k
+        pos = self._a.start[rows][seg] + tok
+        self._slot[pos] = s
+        new = tok >= self._n_tokens[rows][seg]
+        self._live[pos[new]] = True
+        num_new = np.bincount(seg[new], minlength=rows.size)
+        self._n_live[rows] += num_new
+        self._total_live += int(num_new.sum())
+        self._n_tokens[rows] = np.maximum(self._n_tokens[rows], end)
+        self._count(s[self._live[pos]], +1)
+        self._n_slotted[rows] = end
+
+    def tokens(self, rows: np.ndarray):
+        """Every slotted token of `rows`, flat: (seg, idx, live, slot), the
+        row's position in `rows`, logical index, liveness bit, slot (int32)."""
+        rows = np.asarray(rows, np.int64)
+        seg, idx = segments(self._n_slotted[rows])
+        pos = self._a.start[rows][seg] + idx
+        return seg, idx, self._live[pos], self._slot[pos]
+
+    def evict_rows(self, rows: np.ndarray, indptr: np.ndarray, idx) -> None:
+        """`evict` for distinct rows at once: row i loses tokens
+        idx[indptr[i]:indptr[i + 1]] (live, slotted, distinct per row)."""
+        i = _as_index(idx, "idx")
+        if i.size == 0:
+            return
+        rows = np.asarray(rows, np.int64)
+        counts = np.diff(indptr)
+        seg = np.repeat(np.arange(rows.size), counts)
+        if integrity.CHECK:
+            self._check_idx(rows, seg, i)
+        pos = self._a.start[rows][seg] + i
+        assert self._live[pos].all(), f"tokens {i[~self._live[pos]][:8]} already dead"
+        self._live[pos] = False
+        self._count(self._slot[pos], -1)
+        self._n_live[rows] -= counts
+        self._total_live -= i.size
 
     # ------------------------------------------------------------ mutations
     def append(self, req_id: str, slots: np.ndarray) -> None:
@@ -103,21 +156,8 @@ class TokenTablePool:
             req_id: A registered request.
             slots: Integer [n], distinct, each in [0, num_blocks * block_size).
         """
-        t = self._tables[req_id]
-        s = self._as_slots(slots, "slots")
-        if s.size == 0:
-            return
-        start, end = t.n_slotted, t.n_slotted + s.size
-        self._reserve(t, end)
-        t.slot[start:end] = s
-        if end > t.n_tokens:
-            first_new = max(start, t.n_tokens)
-            t.live[first_new:end] = True
-            t.n_live += end - first_new
-            self._total_live += end - first_new
-            t.n_tokens = end
-        self._count(s[t.live[start:end]], +1)
-        t.n_slotted = end
+        s = _as_index(slots, "slots")
+        self.append_rows(self.rows([req_id]), np.array([s.size]), s)
 
     def evict(self, req_id: str, idx: np.ndarray) -> np.ndarray:
         """Marks tokens dead: flips their bits and leaves their blocks' counts.
@@ -131,15 +171,9 @@ class TokenTablePool:
         Returns:
             int64 [n]: the evicted indices, sorted.
         """
-        t = self._tables[req_id]
-        i = self._as_idx(t, idx)
-        if i.size == 0:
-            return i
-        assert t.live[i].all(), f"{req_id!r}: tokens {i[~t.live[i]][:8]} already dead"
-        t.live[i] = False
-        self._count(t.slot[i], -1)
-        t.n_live -= i.size
-        self._total_live -= i.size
+        rows = self.rows([req_id])
+        i = np.sort(_as_index(idx, "idx"))
+        self.evict_rows(rows, np.array([0, i.size]), i)
         return i
 
     def apply_moves(
@@ -166,33 +200,46 @@ class TokenTablePool:
             keep: Optional bool [R]: False skips that request's moves.
         """
         assert len(indptr) == len(req_ids) + 1 and len(idx) == len(dst_slots)
-        for r, req_id in enumerate(req_ids):
-            t = self._tables.get(req_id)
-            if t is None or t.n_slotted == 0 or (keep is not None and not keep[r]):
-                continue
-            lo, hi = indptr[r], indptr[r + 1]
-            i = self._as_idx(t, idx[lo:hi], sort=False)
-            ns = self._as_slots(dst_slots[lo:hi], "dst_slots")
-            live = t.live[i]
-            self._count(t.slot[i][live], -1)
-            self._count(ns[live], +1)
-            t.slot[i] = ns
+        row = self._a.rows_or_missing(req_ids)
+        ok = row >= 0
+        ok[ok] = self._n_slotted[row[ok]] > 0
+        if keep is not None:
+            ok &= np.asarray(keep, bool)
+        seg = np.repeat(np.arange(row.size), np.diff(indptr))
+        sel = ok[seg]
+        i = _as_index(idx, "idx")[sel]
+        ns = self._as_slots(np.asarray(dst_slots)[sel], "dst_slots")
+        if integrity.CHECK:
+            self._check_idx(row, seg[sel], i)
+        pos = self._a.start[row[seg[sel]]] + i
+        live = self._live[pos]
+        self._count(self._slot[pos][live], -1)
+        self._count(ns[live], +1)
+        self._slot[pos] = ns
 
     # ------------------------------------------------------------ queries
     def num_tokens(self, req_id: str) -> int:
-        return self._tables[req_id].n_tokens
+        return int(self._n_tokens[self._row[req_id]])
 
     def num_slotted(self, req_id: str) -> int:
-        return self._tables[req_id].n_slotted
+        return int(self._n_slotted[self._row[req_id]])
 
     def num_live(self, req_id: str) -> int:
         """Live tokens of the request, slotted or not (O(1))."""
-        return self._tables[req_id].n_live
+        return int(self._n_live[self._row[req_id]])
+
+    def num_live_rows(self, rows: np.ndarray) -> np.ndarray:
+        """int64 [R]: `num_live` of each row."""
+        return self._n_live[rows]
 
     def has_dead(self, req_id: str) -> bool:
         """Whether any known token of the request is dead (O(1))."""
-        t = self._tables[req_id]
-        return t.n_live < t.n_tokens
+        row = self._row[req_id]
+        return bool(self._n_live[row] < self._n_tokens[row])
+
+    def has_dead_rows(self, rows: np.ndarray) -> np.ndarray:
+        """bool [R]: `has_dead` of each row."""
+        return self._n_live[rows] < self._n_tokens[rows]
 
     def total_live(self) -> int:
         """Live tokens over all requests (O(1))."""
@@ -200,26 +247,25 @@ class TokenTablePool:
 
     def live_idx(self, req_id: str) -> np.ndarray:
         """int64: logical indices of slotted live tokens, ascending."""
-        t = self._tables[req_id]
-        return np.flatnonzero(t.live[: t.n_slotted])
+        row = self._row[req_id]
+        return np.flatnonzero(self._live[self._a.span(row, self._n_slotted[row])])
 
     def live_slots(self, req_id: str) -> np.ndarray:
         """int64: slots of `live_idx(req_id)`, same order."""
-        t = self._tables[req_id]
-        return self._live_slots(t).astype(np.int64)
+        return self._live_slots(self._row[req_id]).astype(np.int64)
 
     def dead_idx(self, req_id: str) -> np.ndarray:
         """int64: logical indices of dead tokens (slotted or not), ascending."""
-        t = self._tables[req_id]
-        return np.flatnonzero(~t.live[: t.n_tokens])
+        row = self._row[req_id]
+        return np.flatnonzero(~self._live[self._a.span(row, self._n_tokens[row])])
 
     def slots(self, req_id: str) -> np.ndarray:
         """int32 view [num_slotted] of the slot map (do not write to it)."""
-        t = self._tables[req_id]
-        return t.slot[: t.n_slotted]
+        row = self._row[req_id]
+        return self._slot[self._a.span(row, self._n_slotted[row])]
 
     def request_ids(self) -> list[str]:
-        return list(self._tables)
+        return list(self._row)
 
     # ------------------------------------------------------------ invariants
     def check_integrity(self, block_ref_cnt: np.ndarray | None = None) -> None:
@@ -235,23 +281,28 @@ class TokenTablePool:
             AssertionError: Naming the violated invariant.
         """
         B, total, owned = self.block_size, 0, []
-        for rid, t in self._tables.items():
-            cap = t.slot.size
-            assert 0 <= t.n_slotted <= t.n_tokens <= cap == t.live.size, (
-                f"{rid}: lengths slotted={t.n_slotted} tokens={t.n_tokens} cap={cap}"
+        assert self._a.regions_disjoint(), "token table regions overlap"
+        slotted = np.zeros(self._slot.size, dtype=bool)
+        known = slotted.copy()
+        for rid, row in self._row.items():
+            n_slotted, n_tokens = self._n_slotted[row], self._n_tokens[row]
+            assert 0 <= n_slotted <= n_tokens <= self._a.cap[row], (
+                f"{rid}: lengths slotted={n_slotted} tokens={n_tokens}"
             )
-            s = t.slot[: t.n_slotted]
+            slotted[self._a.span(row, n_slotted)] = True
+            known[self._a.span(row, n_tokens)] = True
+            s = self._slot[self._a.span(row, n_slotted)]
             assert ((s >= 0) & (s < self.num_slots)).all(), f"{rid}: slot out of range"
-            assert (t.slot[t.n_slotted :] == -1).all(), (
-                f"{rid}: slot other than -1 past num_slotted"
+            n_live = int(np.count_nonzero(self._live[self._a.span(row, n_tokens)]))
+            assert n_live == self._n_live[row], (
+                f"{rid}: live counter {self._n_live[row]} != {n_live}"
             )
-            assert not t.live[t.n_tokens :].any(), f"{rid}: live bit past num_tokens"
-            n_live = int(np.count_nonzero(t.live[: t.n_tokens]))
-            assert n_live == t.n_live, f"{rid}: live counter {t.n_live} != {n_live}"
             total += n_live
-            ls = self._live_slots(t)
+            ls = self._live_slots(row)
             assert np.unique(ls).size == ls.size, f"{rid}: a slot used twice"
             owned.append(ls.astype(np.int64))
+        assert (self._slot[~slotted] == -1).all(), "a slot other than -1 unslotted"
+        assert not self._live[~known].any(), "a live bit past num_tokens"
         assert total == self._total_live, (
             f"total live counter {self._total_live} != recount {total}"
         )
@@ -275,8 +326,16 @@ class TokenTablePool:
         assert orphan.size == 0, f"live tokens in free blocks {orphan[:8].tolist()}"
 
     # ------------------------------------------------------------ internals
-    def _live_slots(self, t: _Table) -> np.ndarray:
-        return t.slot[: t.n_slotted][t.live[: t.n_slotted]]
+    # The arena's arrays and columns (re-read: growing may replace them).
+    _slot = property(lambda self: self._a.data["slot"])
+    _live = property(lambda self: self._a.data["live"])
+    _n_tokens = property(lambda self: self._a.cols["n_tokens"])
+    _n_slotted = property(lambda self: self._a.cols["n_slotted"])
+    _n_live = property(lambda self: self._a.cols["n_live"])
+
+    def _live_slots(self, row: int) -> np.ndarray:
+        span = self._a.span(row, self._n_slotted[row])
+        return self._slot[span][self._live[span]]
 
     def _count(self, slots: np.ndarray, delta: int) -> None:
         # The one place block_live changes (C1): every caller passes the slots of
@@ -284,15 +343,14 @@ class TokenTablePool:
         if slots.size:
             np.add.at(self.block_live, slots // self.block_size, delta)
 
-    def _reserve(self, t: _Table, n: int) -> None:
-        if n <= t.slot.size:
+    def _check_idx(self, rows: np.ndarray, seg: np.ndarray, idx: np.ndarray) -> None:
+        if idx.size == 0:
             return
-        cap = max(n, 2 * t.slot.size)
-        slot = np.full(cap, -1, dtype=np.int32)
-        live = np.zeros(cap, dtype=bool)
-        slot[: t.slot.size] = t.slot
-        live[: t.live.size] = t.live
-        t.slot, t.live = slot, live
+        assert (idx >= 0).all() and (idx < self._n_slotted[rows][seg]).all(), (
+            "token index outside [0, num_slotted)"
+        )
+        key = seg * (int(idx.max()) + 1) + idx
+        assert np.unique(key).size == key.size, "idx holds a token twice"
 
     def _as_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
         s = _as_index(slots, what)
@@ -302,15 +360,3 @@ class TokenTablePool:
             )
             assert np.unique(s).size == s.size, f"{what} holds a slot twice"
         return s
-
-    def _as_idx(self, t: _Table, idx: np.ndarray, sort: bool = True) -> np.ndarray:
-        i = _as_index(idx, "idx")
-        if sort:
-            i = np.sort(i)
-        if integrity.CHECK and i.size:
-            s = i if sort else np.sort(i)
-            assert 0 <= s[0] and s[-1] < t.n_slotted, (
-                f"token index outside [0, {t.n_slotted})"
-            )
-            assert (np.diff(s) != 0).all(), "idx holds a token twice"
-        return i

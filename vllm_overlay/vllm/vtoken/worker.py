@@ -35,6 +35,7 @@ from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.stats import VTokenCounters, timed
 from vllm.vtoken.token_table import TokenTablePool
 
 if TYPE_CHECKING:
@@ -111,7 +112,9 @@ class VTokenWorker:
         # covers them, for their scores (vLLM's kernels return no
         # probabilities); their output is its only once they have a dead token.
         self._scored: dict[str, bool] = {}
+        self.counters = VTokenCounters()  # worker_ns only
 
+    @timed("worker_ns")
     def begin_step(self, so: SchedulerOutput) -> None:
         pool = self.pool
         pending_reqs = {r for b in self._pending.values() for r in b.req_ids}
@@ -148,6 +151,7 @@ class VTokenWorker:
             self.pool.apply_moves(b.req_ids, b.indptr, b.idx, b.dst_slots)
             self._acked.append(batch_id)
 
+    @timed("worker_ns")
     def prepare_attention(
         self,
         input_batch: InputBatch,
@@ -238,6 +242,7 @@ class VTokenWorker:
         )
         return self.scores is not None and evict.score_mode is not None
 
+    @timed("worker_ns")
     def end_step(self) -> VTokenWorkerOutput:
         read, self._read = self._read, None
         set_token_read(None)
@@ -250,5 +255,6 @@ class VTokenWorker:
         return VTokenWorkerOutput(
             acked_batches=acked,
             copy_bytes=self.executor.bytes_copied,
+            host_ns=self.counters.worker_ns,
             scores=self.scores,
         )

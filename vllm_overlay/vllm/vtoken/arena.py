@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-request flat storage: a row per request, a region of one arena each.
+
+Both sides keep per-token arrays for every running request (the Token Tables'
+slots and liveness bits, the worker's attention scores). Kept as one array per
+request, every step pays a handful of NumPy calls per request; kept here, a
+step's work over the whole batch is a fixed number of calls on flat arrays
+(`rows`, then fancy indexing at `start[rows] + idx`, see `segments`)::
+
+    arena    [ a0 a1 a2 a3 | b0 b1 .  .  | a0 ... a7 .  .  .  .  .  .  .  . ]
+               (a's old region, cleared)   a's region after it grew
+    start    a -> 8, b -> 4          cap  a -> 16, b -> 4
+
+A region that must grow moves to the arena's end, doubled; a full arena is
+compacted (regions copied back to back) and doubled when over half full.
+Entries outside what a row uses hold the array's fill value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """int64: the concatenation of [starts[i], starts[i] + counts[i])."""
+    counts = np.asarray(counts, np.int64)
+    before = np.cumsum(counts) - counts
+    offset = np.repeat(np.asarray(starts, np.int64) - before, counts)
+    return offset + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(seg, k) of the flat concatenation of segments of `counts` entries:
+    each entry's segment and its offset within it, both int64."""
+    counts = np.asarray(counts, np.int64)
+    seg = np.repeat(np.arange(counts.size), counts)
+    k = np.arange(seg.size, dtype=np.int64) - (np.cumsum(counts) - counts)[seg]
+    return seg, k
+
+
+class RowArena:
+    """Rows keyed by request id, each with int64 columns and arena regions.
+
+    `data[name]` are the arena arrays (re-read them after `reserve`: it may
+    replace them); `start` and `cap` the rows' regions; `cols[name]` the
+    per-row int64 columns (0 for a new row).
+    """
+
+    def __init__(
+        self, arrays: dict[str, tuple[type, object]], columns: Sequence[str] = ()
+    ) -> None:
+        self._fill = {name: fill for name, (_, fill) in arrays.items()}
+        self.data = {n: np.full(1024, f, dtype=d) for n, (d, f) in arrays.items()}
+        self.start = np.zeros(0, np.int64)
+        self.cap = np.zeros(0, np.int64)
+        self.cols = {name: np.zeros(0, np.int64) for name in columns}
+        self.index: dict[str, int] = {}  # request id -> row
+        self._free: list[int] = []
+        self._top = 0  # first arena entry no region has used
+
+    def add(self, key: str) -> int:
+        assert key not in self.index, f"{key!r} already has a row"
+        if not self._free:
+            n = self.start.size
+            grow = max(16, n)
+            self.start, self.cap = (
+                np.r_[self.start, [0] * grow],
+                np.r_[self.cap, [0] * grow],
+            )
+            for name, col in self.cols.items():
+                self.cols[name] = np.r_[col, np.zeros(grow, np.int64)]
+            self._free = list(range(n + grow - 1, n - 1, -1))
+        row = self._free.pop()
+        self.index[key] = row
+        self.start[row] = self.cap[row] = 0
+        for col in self.cols.values():
+            col[row] = 0
+        return row
+
+    def remove(self, key: str) -> None:
+        """Drops a row; its region is cleared to the fill values."""
+        row = self.index.pop(key)
+        lo, hi = self.start[row], self.start[row] + self.cap[row]
+        for name, arr in self.data.items():
+            arr[lo:hi] = self._fill[name]
+        self.cap[row] = 0
+        self._free.append(row)
+
+    def rows(self, keys: Sequence[str]) -> np.ndarray:
+        """int64 [R]: the rows of `keys` (KeyError for one without)."""
+        return np.fromiter((self.index[k] for k in keys), np.int64, len(keys))
+
+    def rows_or_missing(self, keys: Sequence[str]) -> np.ndarray:
+        """int64 [R]: the rows of `keys`, -1 for a key without one."""
+        get = self.index.get
+        return np.fromiter((get(k, -1) for k in keys), np.int64, len(keys))
+
+    def span(self, row: int, n: int) -> slice:
+        """The arena entries of a row's first `n`."""
+        lo = int(self.start[row])
+        return slice(lo, lo + int(n))
+
+    def reserve(self, rows: np.ndarray, need: np.ndarray) -> None:
+        """Regions of at least `need` entries for `rows` (distinct)."""
+        rows, need = np.asarray(rows, np.int64), np.asarray(need, np.int64)
+        small = need > self.cap[rows]
+        if not small.any():
+            return
+        rows = rows[small]
+        cap = self.cap[rows]
+        new_cap = np.maximum(np.maximum(need[small], 2 * cap), 16)
+        total = int(new_cap.sum())
+        if self._top + total > self._size:
+            self._compact(total)
+        start = self._top + np.cumsum(new_cap) - new_cap
+        src, dst = ranges(self.start[rows], cap), ranges(start, cap)
+        for name, arr in self.data.items():
+            arr[dst] = arr[src]
+            arr[src] = self._fill[name]
+        self.start[rows], self.cap[rows] = start, new_cap
+        self._top += total
+
+    def regions_disjoint(self) -> bool:
+        """No two rows' regions overlap, and all lie below the arena's top."""
+        rows = np.fromiter(self.index.values(), np.int64, len(self.index))
+        lo, hi = self.start[rows], self.start[rows] + self.cap[rows]
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        return bool((hi <= self._top).all() and (lo[1:] >= hi[:-1]).all())
+
+    @property
+    def _size(self) -> int:
+        return next(iter(self.data.values())).size
+
+    def _compact(self, extra: int) -> None:
+        # Regions back to back, with room for `extra` more entries; doubled
+        # until at most half full, so compactions stay amortised O(1).
+        rows = np.fromiter(self.index.values(), np.int64, len(self.index))
+        cap = self.cap[rows]
+        used, size = int(cap.sum()), self._size
+        while used + extra > size // 2:
+            size *= 2
+        start = np.cumsum(cap) - cap
+        src, dst = ranges(self.start[rows], cap), ranges(start, cap)
+        for name, arr in self.data.items():
+            new = np.full(size, self._fill[name], dtype=arr.dtype)
+            new[dst] = arr[src]
+            self.data[name] = new
+        self.start[rows] = start
+        self._top = used
