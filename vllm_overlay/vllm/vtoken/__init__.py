@@ -10,7 +10,7 @@ vLLM's block pool.
 Scheduler side: token_table, policies, eviction, planner, request_state,
                 reclaimer, scheduler.
 Worker side:    copy_executor, kv_copy_triton, cpu_attention, triton_attention,
-                context, scores, worker.
+                score_kernel, score_triton, context, scores, worker.
 Both:           config, messages, stats, metrics, integrity.
 docs/DESIGN.md §8 maps which call lives where.
 The core modules import only numpy and torch; vLLM types appear under

@@ -14,9 +14,10 @@ The causal mask is bottom-right in live-index space: query i of Lq sees keys
 
 Worker side, ISA vec/vec16 (the GPU read is triton_attention.py). Decode
 requests (one query each) run as one padded batch, K/V gathered straight into
-the matmul layout; the others (prefills) with SDPA per request, or explicit
-softmax when scores are wanted. The index tensors are built once per step by
-the worker (`build_cpu_read_plan`) and shared by every layer.
+the matmul layout; the others (prefills) with SDPA per request or, when scores
+are wanted, by query tiles (`score_kernel.tiled_attention`: output and masses
+per tile, no [Hq, Lq, Lk] probabilities). The index tensors are built once per
+step by the worker (`build_cpu_read_plan`) and shared by every layer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from vllm.vtoken.score_kernel import tiled_attention
 
 if TYPE_CHECKING:
     from vllm.vtoken.scores import ScoreAccumulator
@@ -205,24 +208,23 @@ def cpu_token_attention(
             q = query[q0:q1].transpose(0, 1)  # [Hq, Lq, D]
             k = key[k0:k1].transpose(0, 1)  # [H, Lk, D]
             v = value[k0:k1].transpose(0, 1)
-            mask = _causal_mask(q1 - q0, k1 - k0)
             if scores is None:
+                mask = _causal_mask(q1 - q0, k1 - k0)
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
                 )
-            else:
-                # SnapKV ("window" scores): only the last rows' attention counts,
-                # and a score-only read computes nothing else: O(window x Lk).
-                w = scores.query_window or q1 - q0
-                if not plan.other_write[i]:
-                    q, mask = q[:, -w:], None if mask is None else mask[-w:]
-                probs = _probs(q, k, mask, scale)  # [Hq, Lq, Lk] fp32
-                per_head = probs[:, -w:].sum(dim=1)
-                masses.append(per_head.amax(dim=0) if top else per_head.sum(dim=0))
-                if not plan.other_write[i]:
-                    continue  # read for its scores only
-                o = probs @ _repeat_kv(v, num_q_heads).float()
-            out[q0:q1] = o.transpose(0, 1)
+                out[q0:q1] = o.transpose(0, 1)
+                continue
+            # Output and masses by query tiles: no [Hq, Lq, Lk] probabilities.
+            # SnapKV ("window" scores): only the last rows' attention counts,
+            # and a score-only read computes nothing else: O(window x Lk).
+            w = min(scores.query_window or q1 - q0, q1 - q0)
+            if plan.other_write[i]:
+                o = out[q0:q1].transpose(0, 1)  # written in place, per tile
+                per_head = tiled_attention(q, k, v, scale, mass_rows=w, out=o)
+            else:  # read for its scores only
+                per_head = tiled_attention(q[:, -w:], k, None, scale)
+            masses.append(per_head.amax(dim=0) if top else per_head.sum(dim=0))
     if scores is not None and masses:
         scores.add(plan.score_pos, torch.cat(masses))
 
@@ -249,7 +251,7 @@ def _decode_batched(
     k = key_cache.view(num_blocks, heads, head_dim, block)[blk, h, :, off]
     v = value_cache.view(-1, head_dim).index_select(0, plan.v_rows)
     v = v.view(num_reqs, heads, -1, head_dim)
-    # GQA: query head h * G + g reads KV head h, as _repeat_kv does.
+    # GQA: query head h * G + g reads KV head h (h // G, as SDPA's enable_gqa).
     q = query[plan.q_rows].float().view(num_reqs, heads, -1, head_dim)
     logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [R, H, G, W]
     logits.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
@@ -262,17 +264,3 @@ def _decode_batched(
     o = torch.matmul(probs_w, v.float())  # [R', H, G, D]
     out[rows] = o.reshape(len(rows), num_q_heads, head_dim).to(out.dtype)
     return probs.amax(dim=(1, 2)) if top else probs.sum(dim=(1, 2))
-
-
-def _repeat_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
-    # GQA: query head h uses KV head h // (Hq // H), as SDPA's enable_gqa does.
-    return x.repeat_interleave(num_q_heads // x.shape[0], dim=0)
-
-
-def _probs(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    logits = (q.float() @ _repeat_kv(k, q.shape[0]).float().transpose(1, 2)) * scale
-    if mask is not None:
-        logits.masked_fill_(~mask, float("-inf"))
-    return logits.softmax(dim=-1)

@@ -9,8 +9,11 @@ worker (`build_triton_read_plan`) and shared by every layer.
 
     slot (n, b)  ->  K row n * 2B + b,  V row the same + B
 
-Score policies (H2O, Scissorhands) recompute attention probabilities over the
-gathered live keys (`attention_mass`): the kernel returns none.
+Score policies (H2O, Scissorhands, SnapKV) need each key's attention mass,
+which the read kernel does not return: one more launch per layer computes it
+for the whole batch (`score_kernel.triton_attention_mass`, tiled, no
+probabilities stored) from the step's `ScorePlan`. `attention_mass` is the
+dense torch reference.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from vllm.vtoken.score_kernel import (
+    ScorePlan,
+    build_score_plan,
+    triton_attention_mass,
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,7 @@ class TritonReadPlan:
     max_query_len: int
     max_live_len: int
     block_size: int
+    score: ScorePlan | None = None  # every scored request's keys; None: no scores
 
 
 def build_triton_read_plan(
@@ -42,13 +52,24 @@ def build_triton_read_plan(
     kv_slots: torch.Tensor,
     block_size: int,
     write: np.ndarray | None = None,
+    *,
+    scored: bool = False,
+    score_query_window: int | None = None,
 ) -> TritonReadPlan:
     """See `TokenRead` for the arguments; tensors go to `kv_slots`'s device.
 
     `write` (bool [R], default all): the requests whose output the read
     writes; the others (read for their scores only, or not at all) take vLLM's
     kernel output, which the backend computes for the whole batch first.
+    `scored`: the step accumulates scores (`TokenRead.scores` set), so the plan
+    carries the `ScorePlan` of every request with keys, counting each one's
+    last `score_query_window` query rows (SnapKV), or all of them.
     """
+    score = None
+    if scored:  # over every request with keys, before the writers are compacted
+        score = build_score_plan(
+            query_start_loc, kv_indptr, kv_slots, score_query_window
+        )
     lens, qlens = np.diff(kv_indptr), np.diff(query_start_loc)
     sel = lens > 0 if write is None else np.asarray(write, bool) & (lens > 0)
     dev, rows = kv_slots.device, None
@@ -72,6 +93,7 @@ def build_triton_read_plan(
         max_query_len=int(qlens.max(initial=0)),
         max_live_len=int(lens.max(initial=0)),
         block_size=block_size,
+        score=score,
     )
 
 
@@ -117,19 +139,20 @@ def triton_forward(
             out[plan.rows] = o
     if read.scores is None:
         return
-    B = plan.block_size
-    for r in range(len(read.kv_indptr) - 1):
-        q0, q1 = read.query_start_loc[r], read.query_start_loc[r + 1]
-        k0, k1 = int(read.kv_indptr[r]), int(read.kv_indptr[r + 1])
-        if q1 == q0 or k0 == k1:
-            continue
-        slots = read.kv_slots[k0:k1]
-        keys = kv_cache[slots // B, 0, slots % B]
-        pos = torch.arange(k0, k1, device=slots.device)
-        if read.scores.query_window is not None:  # SnapKV: the last rows only
-            q0 = max(q0, q1 - read.scores.query_window)
-        mass = attention_mass(query[q0:q1], keys, scale, read.scores.aggregate)
-        read.scores.add(pos, mass)
+    score = plan.score
+    if score is None:  # a plan built without `scored`: the tile map per layer
+        score = build_score_plan(
+            read.query_start_loc,
+            read.kv_indptr,
+            read.kv_slots,
+            read.scores.query_window,
+        )
+    assert score.query_window == read.scores.query_window, "plan's window differs"
+    if score.num_tiles:
+        mass = triton_attention_mass(
+            query, kv_cache, score, scale, read.scores.aggregate
+        )
+        read.scores.add(score.positions, mass)
 
 
 def slots_to_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -248,8 +271,8 @@ def attention_mass(
 ) -> torch.Tensor:
     """Attention probability mass per key, over already-gathered keys.
 
-    The GPU score path: `unified_attention` returns no probabilities, so H2O
-    and Scissorhands recompute them here (materializes [Hq, Lq, Lk] fp32).
+    The dense reference of the score kernels (score_kernel.py): it
+    materializes [Hq, Lq, Lk] fp32, so no step path calls it.
 
     softmax(q k^T * scale) with a bottom-right causal mask (query i of Lq sits
     at position Lk - Lq + i), summed over query rows, then over query heads
