@@ -19,6 +19,7 @@ Entries outside what a row uses hold the array's fill value.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 
 import numpy as np
 
@@ -38,6 +39,13 @@ def segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     seg = np.repeat(np.arange(counts.size), counts)
     k = np.arange(seg.size, dtype=np.int64) - (np.cumsum(counts) - counts)[seg]
     return seg, k
+
+
+def lookup(table: dict, keys: Sequence, dtype=np.int64) -> np.ndarray:
+    """np.array([table[k] for k in keys]), the loop in C (KeyError if absent)."""
+    if len(keys) <= 1:
+        return np.array([table[k] for k in keys], dtype=dtype)
+    return np.array(itemgetter(*keys)(table), dtype=dtype)
 
 
 class RowArena:
@@ -90,7 +98,7 @@ class RowArena:
 
     def rows(self, keys: Sequence[str]) -> np.ndarray:
         """int64 [R]: the rows of `keys` (KeyError for one without)."""
-        return np.fromiter((self.index[k] for k in keys), np.int64, len(keys))
+        return lookup(self.index, keys)
 
     def rows_or_missing(self, keys: Sequence[str]) -> np.ndarray:
         """int64 [R]: the rows of `keys`, -1 for a key without one."""
@@ -125,6 +133,7 @@ class RowArena:
     def regions_disjoint(self) -> bool:
         """No two rows' regions overlap, and all lie below the arena's top."""
         rows = np.fromiter(self.index.values(), np.int64, len(self.index))
+        rows = rows[self.cap[rows] > 0]  # an empty region overlaps nothing
         lo, hi = self.start[rows], self.start[rows] + self.cap[rows]
         order = np.argsort(lo, kind="stable")
         lo, hi = lo[order], hi[order]

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm.vtoken.arena import lookup, ranges
 from vllm.vtoken.policies import create_policy
-from vllm.vtoken.policies.base import EvictionPolicy, RequestView
+from vllm.vtoken.policies.base import BatchView, EvictionPolicy, RequestView
 from vllm.vtoken.token_table import TokenTablePool
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class _Evicting:
     policy: EvictionPolicy | None
     budget: int
     rng: np.random.Generator
+    seed: int  # drawn once from rng: the batch path's per-request seed
 
 
 class EvictionRuntime:
@@ -57,6 +59,7 @@ class EvictionRuntime:
         budget: int | None,
         seed: int = 0,
         score_source: Callable[[str, np.ndarray], np.ndarray] | None = None,
+        score_batch: Callable[..., np.ndarray] | None = None,
     ) -> None:
         """Binds a pool and the engine's default policy.
 
@@ -69,6 +72,9 @@ class EvictionRuntime:
             score_source: (request id, int64 logical indices [n]) -> float32
                 scores [n]; required (by the time a request exceeds its
                 budget) when a policy has a `score_mode`.
+            score_batch: Optional (request ids [R], logical indices [n],
+                their requests' positions seg [n]) -> float32 scores [n]: the
+                same for many requests in one call (the step path).
         """
         assert budget is None or budget > 0, budget
         self.pool = pool
@@ -76,10 +82,16 @@ class EvictionRuntime:
         self.budget = budget
         self.seed = int(seed)
         self.score_source = score_source
+        self.score_batch = score_batch
         self._policies: dict[tuple[str, int], EvictionPolicy] = {}
         if budget is not None:
             self._policies[(policy.name, budget)] = policy
         self._reqs: dict[str, _Evicting] = {}
+        # For the batch path: each request's budget (never reached without a
+        # policy) and its policy's position in `_by_index`.
+        self._budget: dict[str, int] = {}
+        self._pix: dict[str, int] = {}
+        self._by_index: list[EvictionPolicy | None] = [None]
 
     def sync_new_tokens(
         self,
@@ -107,7 +119,11 @@ class EvictionRuntime:
         if req_id not in self.pool:
             self.pool.add_request(req_id)
             key = req_id.encode() if rng_key is None else rng_key
-            self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
+            r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
+            self._budget[req_id] = r.budget if r.policy else np.iinfo(np.int64).max
+            if r.policy not in self._by_index:
+                self._by_index.append(r.policy)
+            self._pix[req_id] = self._by_index.index(r.policy)
         before = self.pool.num_tokens(req_id)
         self.pool.append(req_id, slots)
         num_new = self.pool.num_tokens(req_id) - before
@@ -141,6 +157,97 @@ class EvictionRuntime:
         self._check_answer(r.policy, view, chosen, excess)
         return self.pool.evict(req_id, chosen)
 
+    def enforce_budgets(
+        self, req_ids: list[str], num_attended: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`enforce_budget` for a batch: a fixed number of NumPy calls per
+        policy in use, whatever the number of requests.
+
+        Returns:
+            (which, counts, idx): requests req_ids[which[k]] lost counts[k]
+            tokens, the k-th run of `idx` (ascending within the run).
+        """
+        rows = self.pool.rows(req_ids)
+        excess = self.pool.num_live_rows(rows) - lookup(self._budget, req_ids)
+        over = np.flatnonzero(excess > 0)
+        out = [(np.zeros(0, np.int64),) * 3]
+        if over.size:
+            ids = [req_ids[i] for i in over]
+            pix = lookup(self._pix, ids)
+            for p in np.unique(pix):
+                sel = np.flatnonzero(pix == p)
+                policy = self._by_index[p]
+                group = [ids[i] for i in sel]
+                att = np.asarray(num_attended)[over[sel]]
+                counts, idx = self._evict_group(
+                    policy, group, rows[over[sel]], att, excess[over[sel]]
+                )
+                out.append((over[sel], counts, idx))
+        which, counts, idx = (np.concatenate(x) for x in zip(*out, strict=True))
+        order = np.argsort(which, kind="stable")
+        starts = (np.cumsum(counts) - counts)[order]
+        flat = ranges(starts, counts[order])
+        return which[order], counts[order], idx[flat]
+
+    def _evict_group(self, policy, ids, rows, attended, excess):
+        seg, idx, live, _ = self.pool.tokens(rows)
+        seg, idx = seg[live], idx[live]
+        indptr = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(np.bincount(seg, minlength=len(ids)), out=indptr[1:])
+        scores = None
+        if policy.score_mode is not None:
+            scores = self._batch_scores(policy, ids, idx, seg)
+        evictable = idx < (attended - 1)[seg]
+        reqs = [self._reqs[r] for r in ids]
+        batch = BatchView(
+            ids,
+            indptr,
+            seg,
+            idx,
+            evictable,
+            scores,
+            np.fromiter((r.seed for r in reqs), np.uint64, len(reqs)),
+            [r.rng for r in reqs],
+        )
+        counts, chosen = policy.evict_batch(batch, excess)
+        counts, chosen = np.asarray(counts, np.int64), np.asarray(chosen, np.int64)
+        # Check the answer (the contract, all requests at once): the right
+        # count each, distinct, evictable tokens of the request's own.
+        want = np.minimum(excess, np.bincount(seg[evictable], minlength=len(ids)))
+        cseg = (
+            np.repeat(np.arange(len(ids)), counts) if counts.size == len(ids) else None
+        )
+        ok = cseg is not None and (counts == want).all() and chosen.size == counts.sum()
+        if ok and chosen.size:
+            width = int(max(idx.max(), chosen.max())) + 1
+            key, ckey = seg * width + idx, cseg * width + chosen
+            at = np.minimum(np.searchsorted(key, ckey), key.size - 1)
+            ok = (key[at] == ckey).all() and evictable[at].all()
+            ok = ok and np.unique(ckey).size == ckey.size
+        if not ok:
+            raise RuntimeError(
+                f"policy {policy.name} broke its contract on {ids[:4]}...: wanted "
+                f"{want[:8].tolist()} distinct evictable tokens, got {counts[:8]}"
+            )
+        order = np.lexsort((chosen, cseg))
+        chosen = chosen[order]
+        self.pool.evict_rows(rows, np.r_[0, np.cumsum(counts)], chosen)
+        return counts, chosen
+
+    def _batch_scores(self, policy, ids, idx, seg) -> np.ndarray:
+        if self.score_source is None:
+            raise RuntimeError(
+                f"policy {policy.name} needs {policy.score_mode!r} "
+                "scores but the runtime has no score source"
+            )
+        if self.score_batch is not None:
+            return np.asarray(self.score_batch(ids, idx, seg), dtype=np.float32)
+        lo = np.searchsorted(seg, np.arange(len(ids) + 1))
+        parts = [
+            self.score_source(r, idx[lo[k] : lo[k + 1]]) for k, r in enumerate(ids)
+        ]
+        return np.concatenate([np.zeros(0, np.float32), *parts]).astype(np.float32)
+
     def reset_scores(self, req_id: str) -> None:
         """A preempted request's scores start over (its slots are reset)."""
         r = self._reqs.get(req_id)
@@ -151,6 +258,7 @@ class EvictionRuntime:
         """Forgets a finished or aborted request (pool, generator, policy state)."""
         self.pool.release(req_id)
         r = self._reqs.pop(req_id)
+        del self._budget[req_id], self._pix[req_id]
         if r.policy is not None:
             r.policy.release(req_id)
 
@@ -164,7 +272,7 @@ class EvictionRuntime:
         else:
             name, budget = None, None
         if name is None or budget is None:
-            return _Evicting(None, 0, rng)
+            return _Evicting(None, 0, rng, 0)
         policy = self._policies.get((name, budget))
         if policy is None:
             # The engine's knobs configure the engine's policy; another policy a
@@ -172,7 +280,7 @@ class EvictionRuntime:
             knobs = self.policy.knobs if name == self.policy.name else None
             policy = create_policy(name, budget, knobs)
             self._policies[(name, budget)] = policy
-        return _Evicting(policy, budget, rng)
+        return _Evicting(policy, budget, rng, int(rng.integers(1 << 63)))
 
     def _scores(self, policy: EvictionPolicy, req_id: str) -> np.ndarray | None:
         if policy.score_mode is None:
@@ -195,6 +303,7 @@ class EvictionRuntime:
             evictable=live_idx < num_attended - 1,
             scores=scores,
             rng=self._reqs[req_id].rng,
+            seed=self._reqs[req_id].seed,
         )
 
     @staticmethod

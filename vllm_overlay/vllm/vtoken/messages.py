@@ -52,11 +52,23 @@ class MoveBatch:
 class VTokenStep:
     """Scheduler -> worker control plane for one step."""
 
-    dead: dict[str, np.ndarray] = field(default_factory=dict)  # req -> idx int64
+    # Newly dead tokens, CSR: dead_req_ids[r] lost dead_idx[indptr[r]:...].
+    dead_req_ids: list[str] = field(default_factory=list)
+    dead_indptr: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    dead_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     moves: MoveBatch | None = None
 
+    @property
+    def dead(self) -> dict[str, np.ndarray]:
+        """The dead lists by request (for tests and logs; not the step path)."""
+        ptr = self.dead_indptr
+        return {
+            r: self.dead_idx[ptr[i] : ptr[i + 1]]
+            for i, r in enumerate(self.dead_req_ids)
+        }
+
     def __repr__(self) -> str:
-        n = sum(len(v) for v in self.dead.values())
+        n = len(self.dead_idx)
         return f"VTokenStep(dead={n}, moves={self.moves!r})"
 
 

@@ -22,8 +22,6 @@ class RequestState:
     `on_preempt` says which fields survive a preemption.
     """
 
-    # Tokens evicted this step, not yet sent to the worker (VTokenStep.dead).
-    dead: list[np.ndarray] = field(default_factory=list)
     # Evicted since last planned: packing frees a block only once a block's
     # worth of slots is dead, so the planner considers a request when this
     # reaches block_size (about once per block_size evictions, not every step).

@@ -82,12 +82,18 @@ class VTokenScheduler:
             cfg.kv_budget_tokens,
             seed=cfg.seed,
             score_source=self._read_scores if policy.score_mode else None,
+            score_batch=self._read_batch_scores if policy.score_mode else None,
         )
         self._reqs: dict[str, RequestState] = {}
-        # Which records have step-scoped fields set (RequestState.dead,
-        # .recomputed_dead), so a step visits those only, not every request.
-        self._evicted: list[str] = []
+        # Requests a step must visit, so that it visits those only: with
+        # recomputed dead tokens (RequestState.recomputed_dead); whose blocks
+        # vLLM may still cache (new or resumed: caching stops at their first
+        # dead token); due for planning (a block's worth dead since planned).
         self._recomputing: list[str] = []
+        self._caching: set[str] = set()
+        self._plan_due: set[str] = set()
+        # This step's evictions (request ids, counts, idx), for VTokenStep.
+        self._step_dead: list[tuple[list[str], np.ndarray, np.ndarray]] = []
         self.counters = VTokenCounters()
         self._last_counters = VTokenCounters()
         self.reclaimer = BlockReclaimer(
@@ -106,24 +112,42 @@ class VTokenScheduler:
             if self.pool.num_slotted(rid) > 0:
                 self.reclaimer.free_empty_blocks(rid, rec, rec.recomputed_dead)
             rec.recomputed_dead = None
-        for req in running:
-            rid = req.request_id
-            rec = self._reqs.get(rid)
-            # Never evict during a (chunked) prefill, nor before the table knows
-            # the tokens (prefill done means every prompt token was attended).
-            if rec is None or req.num_computed_tokens < req.num_prompt_tokens:
-                continue
-            dead = self.runtime.enforce_budget(rid, req.num_computed_tokens)
+        # Never evict during a (chunked) prefill, nor before the table knows
+        # the tokens (prefill done means every prompt token was attended).
+        reqs = [
+            r
+            for r in running
+            if r.num_computed_tokens >= r.num_prompt_tokens
+            and r.request_id in self._reqs
+        ]
+        rids = [r.request_id for r in reqs]
+        attended = np.fromiter(
+            (r.num_computed_tokens for r in reqs), np.int64, len(reqs)
+        )
+        which, counts, idx = self.runtime.enforce_budgets(rids, attended)
+        for rid in self._caching.intersection(rids):
             if self.pool.has_dead(rid):
-                self.reclaimer.stop_caching(rid)  # also after a resume
-            if dead.size == 0:
-                continue
-            if not rec.dead:
-                self._evicted.append(rid)
-            rec.dead.append(dead)
-            rec.dead_since_plan += dead.size
-            self.counters.evicted_tokens += int(dead.size)
-            self.reclaimer.free_empty_blocks(rid, rec, dead)
+                self.reclaimer.stop_caching(rid)
+                self._caching.discard(rid)
+        if not which.size:
+            return
+        ids = [rids[i] for i in which]
+        self._step_dead.append((ids, counts, idx))
+        self.counters.evicted_tokens += int(idx.size)
+        B = self.block_size
+        for rid, n in zip(ids, counts.tolist(), strict=True):
+            rec = self._reqs[rid]
+            rec.dead_since_plan += n
+            if rec.dead_since_plan >= B:
+                self._plan_due.add(rid)
+        # Blocks whose last live token just died: only those requests free.
+        seg = np.repeat(np.arange(len(ids)), counts)
+        slots = self.pool.tokens_at(self.pool.rows(ids), seg, idx)
+        emptied = self.pool.block_live[slots // B] == 0
+        for k in np.unique(seg[emptied]):
+            lo = int(counts[:k].sum())
+            dead = idx[lo : lo + counts[k]]
+            self.reclaimer.free_empty_blocks(ids[k], self._reqs[ids[k]], dead)
 
     @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
@@ -131,25 +155,36 @@ class VTokenScheduler:
         for rid, n in so.num_scheduled_tokens.items():
             self._sync_slots(rid, self._requests[rid].num_computed_tokens + n)
         moves = None
-        if self.cfg.compaction and any(
-            r.dead_since_plan >= self.block_size for r in self._reqs.values()
-        ):
+        if self.cfg.compaction and self._plan_due:
             t0 = time.perf_counter_ns()
             moves = self.reclaimer.plan(
                 self._reqs, self._requests, so.num_scheduled_tokens.keys()
             )
             self.counters.planner_ns += time.perf_counter_ns() - t0
             self.counters.plan_calls += 1
-        dead = {}
-        evicted, self._evicted = self._evicted, []
-        for rid in evicted:
-            rec = self._reqs.get(rid)
-            if rec is not None and rec.dead:  # else finished since
-                dead[rid] = np.concatenate(rec.dead)
-                rec.dead = []
-        if not dead and moves is None:
+            B, reqs = self.block_size, self._reqs
+            self._plan_due = {
+                r for r in self._plan_due if r in reqs and reqs[r].dead_since_plan >= B
+            }
+        chunks, self._step_dead = self._step_dead, []
+        if not chunks and moves is None:
             return None
-        return VTokenStep(dead=dead, moves=moves)
+        ids = [r for c in chunks for r in c[0]]
+        counts = np.concatenate([c[1] for c in chunks] + [np.zeros(0, np.int64)])
+        idx = np.concatenate([c[2] for c in chunks] + [np.zeros(0, np.int64)])
+        gone = [r not in self._reqs for r in ids]  # finished since
+        if any(gone):
+            keep = ~np.asarray(gone)
+            idx = idx[np.repeat(keep, counts)]
+            ids, counts = (
+                [r for r, g in zip(ids, gone, strict=True) if not g],
+                counts[keep],
+            )
+        indptr = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        return VTokenStep(
+            dead_req_ids=ids, dead_indptr=indptr, dead_idx=idx, moves=moves
+        )
 
     @timed("scheduler_ns")
     def on_output(self, out: VTokenWorkerOutput | None) -> None:
@@ -199,6 +234,7 @@ class VTokenScheduler:
         if rec is None:
             return
         self.pool.reset_slots(req.request_id)
+        self._caching.add(req.request_id)  # its resume caches blocks again
         self.runtime.reset_scores(req.request_id)
         self.reclaimer.drop_moves(rec)
         rec.nulls = 0
@@ -208,14 +244,19 @@ class VTokenScheduler:
         rec = self._reqs.pop(req.request_id, None)
         if rec is None:
             return
+        self._caching.discard(req.request_id)
+        self._plan_due.discard(req.request_id)
         self.runtime.release(req.request_id)
         self.reclaimer.drop_moves(rec)
 
     # ------------------------------------------------------------ internals
     def _read_scores(self, rid: str, idx: np.ndarray) -> np.ndarray:
+        return self._read_batch_scores([rid], idx, None)
+
+    def _read_batch_scores(self, rids, idx, seg) -> np.ndarray:
         if self._scores is None:  # no forward has run yet
             return np.zeros(len(idx), dtype=np.float32)
-        return self._scores.scores(rid, idx)
+        return self._scores.scores_rows(rids, idx, seg)
 
     def _sync_slots(self, rid: str, upto: int) -> None:
         """Give tokens [num_slotted, upto) their positional slots."""
@@ -232,6 +273,8 @@ class VTokenScheduler:
                     self._recomputing.append(rid)
                 rec.recomputed_dead = dead
                 rec.dead_since_plan += dead.size
+                if rec.dead_since_plan >= self.block_size:
+                    self._plan_due.add(rid)
         B = self.block_size
         first, last = start // B, (upto - 1) // B
         ids = np.fromiter(
@@ -244,6 +287,7 @@ class VTokenScheduler:
         key = evict = None
         if rec is None:
             self._reqs[rid] = RequestState()
+            self._caching.add(rid)
             req = self._requests[rid]
             key = _prompt_key(req)
             evict = request_eviction(

@@ -127,6 +127,10 @@ class TokenTablePool:
         pos = self._a.start[rows][seg] + idx
         return seg, idx, self._live[pos], self._slot[pos]
 
+    def tokens_at(self, rows: np.ndarray, seg: np.ndarray, idx) -> np.ndarray:
+        """int32: the slots of tokens idx[j] of rows[seg[j]]."""
+        return self._slot[self._a.start[np.asarray(rows)[seg]] + idx]
+
     def evict_rows(self, rows: np.ndarray, indptr: np.ndarray, idx) -> None:
         """`evict` for distinct rows at once: row i loses tokens
         idx[indptr[i]:indptr[i + 1]] (live, slotted, distinct per row)."""
@@ -236,6 +240,10 @@ class TokenTablePool:
         """Whether any known token of the request is dead (O(1))."""
         row = self._row[req_id]
         return bool(self._n_live[row] < self._n_tokens[row])
+
+    def num_slotted_rows(self, rows: np.ndarray) -> np.ndarray:
+        """int64 [R]: `num_slotted` of each row."""
+        return self._n_slotted[rows]
 
     def has_dead_rows(self, rows: np.ndarray) -> np.ndarray:
         """bool [R]: `has_dead` of each row."""

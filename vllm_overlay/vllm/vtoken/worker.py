@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm.vtoken.arena import lookup, ranges
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
@@ -135,8 +136,9 @@ class VTokenWorker:
                 self.scores.release(rid)  # (the policy's reset_scores)
         step = so.vtoken
         if step is not None:
-            for rid, idx in step.dead.items():
-                pool.evict(rid, idx)
+            if step.dead_req_ids:
+                rows = pool.rows(step.dead_req_ids)
+                pool.evict_rows(rows, step.dead_indptr, step.dead_idx)
             if step.moves is not None:
                 m = step.moves
                 self._pending[m.batch_id] = m
@@ -166,54 +168,44 @@ class VTokenWorker:
         token read overwrites the rows of requests with a dead token (so the
         others get vLLM's output to the bit until their first eviction).
         """
-        B = self.block_size
+        B, pool = self.block_size, self.pool
         num_reqs = input_batch.num_reqs
         rids = input_batch.req_ids[:num_reqs]
         slot_mapping = input_batch.block_table[0].slot_mapping.np
-        computed = input_batch.num_computed_tokens_cpu[:num_reqs]
+        computed = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        counts = num_scheduled[:num_reqs].astype(np.int64)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_scheduled[:num_reqs], out=qsl[1:])
-        for rid in rids:
-            if rid not in self.pool:
-                self.pool.add_request(rid)
-                self._scored[rid] = self._reads_scores(requests[rid])
-        writes = np.fromiter((self.pool.has_dead(r) for r in rids), bool, num_reqs)
-        scored = np.fromiter((self._scored[r] for r in rids), bool, num_reqs)
-        reads = writes | scored
-        kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
-        kv = [np.zeros(0, dtype=np.int64)]
-        key_idx = [np.zeros(0, dtype=np.int64)]  # the logical token of each key
-        for i, rid in enumerate(rids):
-            start = self.pool.num_slotted(rid)
-            nc = int(computed[i])
-            new = slot_mapping[qsl[i] : qsl[i + 1]].astype(np.int64)
-            if start < nc:  # prefix-cache hits: slotted from the block table
-                ids = np.asarray(requests[rid].block_ids[0], dtype=np.int64)
-                pos = np.arange(start, nc, dtype=np.int64)
-                new = np.concatenate([ids[pos // B] * B + pos % B, new])
-            self.pool.append(rid, new)
-            kv_indptr[i + 1] = kv_indptr[i]
-            if not reads[i]:
-                continue  # no keys: vLLM's kernel reads its positional KV
-            # Keys: live tokens before the step, then every query token. A
-            # query token may be dead when a preempted request recomputes its
-            # KV; it is attended this once and stays dead afterwards.
-            live_idx = self.pool.live_idx(rid)
-            before = live_idx < nc
-            slots = np.concatenate(
-                [self.pool.live_slots(rid)[before], self.pool.slots(rid)[nc:]]
-            )
-            kv.append(slots)
-            key_idx.append(
-                np.r_[live_idx[before], np.arange(nc, self.pool.num_slotted(rid))]
-            )
-            kv_indptr[i + 1] += slots.size
+        np.cumsum(counts, out=qsl[1:])
+        for rid in [r for r in rids if r not in pool]:  # first sight
+            pool.add_request(rid)
+            self._scored[rid] = self._reads_scores(requests[rid])
+        rows = pool.rows(rids)
+        new = slot_mapping[: qsl[-1]].astype(np.int64)
+        start = pool.num_slotted_rows(rows)
+        hits = np.maximum(computed - start, 0)
+        if hits.any():  # prefix-cache hits: slotted from the block table first
+            new = self._with_hits(rids, requests, start, hits, counts, new)
+        pool.append_rows(rows, hits + counts, new)
+        writes = pool.has_dead_rows(rows)
+        reads = writes | lookup(self._scored, rids, bool)
         if not reads.any():
             return  # nobody reads through the token table this step
-        kv_slots = torch.from_numpy(np.concatenate(kv)).to(self._device)
+        # Keys of the rows read: live tokens before the step, then every query
+        # token. A query token may be dead when a preempted request recomputes
+        # its KV; it is attended this once and stays dead afterwards. Rows not
+        # read get no keys: vLLM's kernel reads their positional KV.
+        read = np.flatnonzero(reads)
+        seg, idx, live, slot = pool.tokens(rows[read])
+        nc = computed[read][seg]
+        keep = (live & (idx < nc)) | (idx >= nc)
+        num_keys = np.zeros(num_reqs, dtype=np.int64)
+        num_keys[read] = np.bincount(seg[keep], minlength=read.size)
+        kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_keys, out=kv_indptr[1:])
+        kv_slots = torch.from_numpy(slot[keep].astype(np.int64)).to(self._device)
         if self.scores is not None:
             self.scores.begin_step(kv_slots.numel())
-            self._read_keys = (list(rids), np.concatenate(key_idx))
+            self._read_keys = (list(rids), idx[keep])
         if self._device.type == "cpu":
             plan = build_cpu_read_plan(
                 qsl, kv_indptr, kv_slots, B, self._num_kv_heads, write=writes
@@ -221,7 +213,16 @@ class VTokenWorker:
         else:
             from vllm.vtoken.triton_attention import build_triton_read_plan
 
-            plan = build_triton_read_plan(qsl, kv_indptr, kv_slots, B, writes)
+            scores = self.scores
+            plan = build_triton_read_plan(
+                qsl,
+                kv_indptr,
+                kv_slots,
+                B,
+                writes,
+                scored=scores is not None,
+                score_query_window=None if scores is None else scores.query_window,
+            )
         self._read = TokenRead(
             query_start_loc=qsl,
             kv_indptr=kv_indptr,
@@ -231,6 +232,20 @@ class VTokenWorker:
             with_stock=not writes.all(),
         )
         set_token_read(self._read)
+
+    def _with_hits(self, rids, requests, start, hits, counts, new) -> np.ndarray:
+        """The step's slots with each request's prefix-cache hits (tokens
+        [start, num_computed), from its block table) before its new tokens.
+        Runs on a request's first step only (or its resume)."""
+        B, total = self.block_size, hits + counts
+        out = np.empty(int(total.sum()), dtype=np.int64)
+        first = np.cumsum(total) - total
+        out[ranges(first + hits, counts)] = new
+        for i in np.flatnonzero(hits):
+            ids = np.asarray(requests[rids[i]].block_ids[0], dtype=np.int64)
+            pos = np.arange(start[i], start[i] + hits[i], dtype=np.int64)
+            out[first[i] : first[i] + hits[i]] = ids[pos // B] * B + pos % B
+        return out
 
     def _reads_scores(self, req: CachedRequestState) -> bool:
         params = req.sampling_params

@@ -9,7 +9,7 @@ the runtime applies its answer (flips liveness bits) and reclamation follows.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,6 +47,53 @@ class RequestView:
     evictable: np.ndarray
     scores: np.ndarray | None
     rng: np.random.Generator
+    seed: int | None = None  # the request's batch seed (None: drawn from rng)
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """The requests a policy evicts from in one step, as flat arrays.
+
+    Request r's live tokens are entries [indptr[r], indptr[r + 1]) of the token
+    arrays, ascending; `seg` is each token's request. `seeds` are per-request
+    random seeds (fixed per request, from its generator), `rngs` the
+    generators themselves (what a `RequestView` carries).
+    """
+
+    req_ids: list[str]
+    indptr: np.ndarray  # int64 [R + 1]
+    seg: np.ndarray  # int64 [N]
+    live_idx: np.ndarray  # int64 [N]
+    evictable: np.ndarray  # bool [N]
+    scores: np.ndarray | None  # float32 [N]
+    seeds: np.ndarray  # uint64 [R]
+    rngs: list[np.random.Generator]
+
+    def request(self, r: int) -> RequestView:
+        lo, hi = self.indptr[r], self.indptr[r + 1]
+        scores = None if self.scores is None else self.scores[lo:hi]
+        return RequestView(
+            self.req_ids[r],
+            self.live_idx[lo:hi],
+            self.evictable[lo:hi],
+            scores,
+            self.rngs[r],
+            int(self.seeds[r]),
+        )
+
+
+def one_request(req: RequestView, seed: int = 0) -> BatchView:
+    n = req.live_idx.size
+    return BatchView(
+        [req.req_id],
+        np.array([0, n]),
+        np.zeros(n, np.int64),
+        req.live_idx,
+        req.evictable,
+        req.scores,
+        np.array([int(seed)], np.uint64),
+        [req.rng],
+    )
 
 
 class EvictionPolicy(ABC):
@@ -113,9 +160,21 @@ class EvictionPolicy(ABC):
         Default: no-op. Must not mutate the view.
         """
 
-    @abstractmethod
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mine = EvictionPolicy.evict_token, EvictionPolicy.evict_batch
+        if (cls.evict_token, cls.evict_batch) == mine and not getattr(
+            cls, "__abstractmethods__", None
+        ):
+            raise TypeError(
+                f"{cls.__name__} implements neither evict_token nor evict_batch"
+            )
+
     def evict_token(self, req: RequestView, num_evict: int) -> np.ndarray:
         """Chooses tokens to evict; does not mutate anything.
+
+        A policy implements this or `evict_batch` (or both); each defaults to
+        the other.
 
         Args:
             req: The request.
@@ -125,6 +184,25 @@ class EvictionPolicy(ABC):
             int64 logical indices: exactly `num_evict` distinct evictable
             entries of `req.live_idx`, or all evictable ones if fewer exist.
         """
+        seed = req.rng.integers(1 << 63) if req.seed is None else req.seed
+        chosen = self.evict_batch(one_request(req, seed), np.array([num_evict]))[1]
+        return np.sort(chosen)
+
+    def evict_batch(
+        self, batch: BatchView, num_evict: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`evict_token` for every request of `batch` at once (the step path).
+
+        Returns:
+            (counts int64 [R], idx int64 [sum counts]): request r's choice is
+            the r-th run of `idx`, with `evict_token`'s contract each.
+        """
+        picks = [
+            np.asarray(self.evict_token(batch.request(r), int(n)), np.int64)
+            for r, n in enumerate(num_evict)
+        ]
+        counts = np.fromiter((p.size for p in picks), np.int64, len(picks))
+        return counts, np.concatenate([np.zeros(0, np.int64), *picks])
 
     def reset_scores(self, req_id: str) -> None:  # noqa: B027
         """The request's scores start over from zero (it was preempted: its
@@ -183,3 +261,38 @@ def select_lowest(
         extra = np.flatnonzero(req.evictable & protected)
         first = np.concatenate([first, extra])
     return req.live_idx[first[:num_evict]].astype(np.int64)
+
+
+def recent_batch(batch: BatchView, window: int) -> np.ndarray:
+    """bool [N]: True for each request's `window` most recent live tokens."""
+    from_end = batch.indptr[batch.seg + 1] - 1 - np.arange(batch.seg.size)
+    return from_end < window
+
+
+def lowest_batch(
+    batch: BatchView, num_evict: np.ndarray, key: np.ndarray, protected: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`select_lowest` for every request at once: per request, the evictable
+    unprotected tokens with the lowest `key` (ties: oldest first), then the
+    protected evictable ones oldest first. Returns (counts, idx)."""
+    tier = np.where(protected, 1, 0) + np.where(batch.evictable, 0, 2)
+    tier = np.minimum(tier, 2)
+    key = np.where(tier == 0, key, 0)
+    order = np.lexsort((batch.live_idx, key, tier, batch.seg))
+    seg = batch.seg[order]
+    rank = np.arange(seg.size) - batch.indptr[seg]
+    take = (rank < np.asarray(num_evict)[seg]) & (tier[order] < 2)
+    counts = np.bincount(seg[take], minlength=len(batch.req_ids))
+    return counts.astype(np.int64), batch.live_idx[order][take]
+
+
+def hash_uniform(seeds: np.ndarray, idx: np.ndarray, nonce: np.ndarray) -> np.ndarray:
+    """float64 in [0, 1): a fixed pseudo-random draw per (seed, idx, nonce)
+    (splitmix64), so a request's draws do not depend on the batch it is in."""
+    with np.errstate(over="ignore"):
+        x = seeds ^ (idx.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        x ^= nonce.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)

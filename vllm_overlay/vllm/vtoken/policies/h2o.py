@@ -31,8 +31,8 @@ class H2OPolicy(base.EvictionPolicy):
     def _validate(self) -> None:
         self.recent = round(self._ratio("recent_ratio") * self.budget)
 
-    def evict_token(self, req: base.RequestView, num_evict: int) -> np.ndarray:
-        if req.scores is None:
+    def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
+        if batch.scores is None:
             raise ValueError("h2o needs accumulated attention scores")
-        protected = base.recent_mask(req, self.recent)
-        return base.select_lowest(req, num_evict, req.scores, protected)
+        protected = base.recent_batch(batch, self.recent)
+        return base.lowest_batch(batch, num_evict, batch.scores, protected)

@@ -13,16 +13,20 @@ class RandomPolicy(base.EvictionPolicy):
     """Uniform random eviction among evictable tokens: the baseline.
 
     The random-eviction baseline of the H2O paper (Zhang et al. 2023, arXiv
-    2306.14048). Draws come from the view's per-request generator, seeded from
-    (runtime seed, stable hash of req_id), so a run is reproducible whatever
-    the batch order. Needs no scores and has no knobs (the seed belongs to the
-    runtime).
+    2306.14048). Draws are a hash of the request's seed (drawn once from its
+    generator: runtime seed, stable hash of its key), the token and the step,
+    so a run is reproducible whatever the batch order. Needs no scores and has
+    no knobs (the seed belongs to the runtime).
     """
 
     name = "random"
 
-    def evict_token(self, req: base.RequestView, num_evict: int) -> np.ndarray:
-        candidates = req.live_idx[req.evictable]
-        n = min(num_evict, candidates.size)
-        pick = req.rng.choice(candidates.size, size=n, replace=False)
-        return np.sort(candidates[pick]).astype(np.int64)
+    def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
+        # A draw per token, keyed by the request's seed and its newest token
+        # (so each step draws afresh): the lowest draws go, a uniform choice.
+        newest = batch.live_idx[batch.indptr[1:] - 1]
+        key = base.hash_uniform(
+            batch.seeds[batch.seg], batch.live_idx, newest[batch.seg]
+        )
+        nothing = np.zeros(batch.seg.size, dtype=bool)
+        return base.lowest_batch(batch, num_evict, key, nothing)

@@ -33,6 +33,6 @@ class StreamingLLMPolicy(base.EvictionPolicy):
                 f"({self.budget})"
             )
 
-    def evict_token(self, req: base.RequestView, num_evict: int) -> np.ndarray:
-        sinks = req.live_idx < self.num_sinks
-        return base.select_lowest(req, num_evict, req.live_idx, sinks)
+    def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
+        sinks = batch.live_idx < self.num_sinks
+        return base.lowest_batch(batch, num_evict, batch.live_idx, sinks)
