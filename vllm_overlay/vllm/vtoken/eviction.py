@@ -117,13 +117,7 @@ class EvictionRuntime:
                 the engine's.
         """
         if req_id not in self.pool:
-            self.pool.add_request(req_id)
-            key = req_id.encode() if rng_key is None else rng_key
-            r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
-            self._budget[req_id] = r.budget if r.policy else np.iinfo(np.int64).max
-            if r.policy not in self._by_index:
-                self._by_index.append(r.policy)
-            self._pix[req_id] = self._by_index.index(r.policy)
+            self.register(req_id, rng_key, evict)
         before = self.pool.num_tokens(req_id)
         self.pool.append(req_id, slots)
         num_new = self.pool.num_tokens(req_id) - before
@@ -132,6 +126,41 @@ class EvictionRuntime:
         if num_new > 0 and policy is not None and _syncs(policy):
             view = self._view(req_id, before, scores=None)
             policy.sync_new_tokens(view, num_new)
+
+    def register(
+        self, req_id: str, rng_key: bytes | None, evict: RequestEviction | None
+    ) -> None:
+        """A request's table, generator, policy and budget (see
+        `sync_new_tokens` for the arguments)."""
+        self.pool.add_request(req_id)
+        key = req_id.encode() if rng_key is None else rng_key
+        r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
+        self._budget[req_id] = r.budget if r.policy else np.iinfo(np.int64).max
+        if r.policy not in self._by_index:
+            self._by_index.append(r.policy)
+        self._pix[req_id] = self._by_index.index(r.policy)
+
+    def sync_rows(self, req_ids: list[str], counts: np.ndarray, slots) -> None:
+        """`sync_new_tokens` for registered requests at once: req_ids[k]
+        gets the next counts[k] of `slots`."""
+        rows = self.pool.rows(req_ids)
+        before = self.pool.num_tokens_rows(rows).copy()
+        self.pool.append_rows(rows, counts, slots)
+        num_new = self.pool.num_tokens_rows(rows) - before
+        if not num_new.any():
+            return
+        pix = lookup(self._pix, req_ids)
+        for p in np.unique(pix[num_new > 0]):
+            policy = self._by_index[p]
+            if policy is None or not _syncs(policy):
+                continue
+            sel = np.flatnonzero(pix == p)
+            ids = [req_ids[i] for i in sel]
+            policy.sync_batch(
+                ids,
+                num_new[sel],
+                lambda k, ids=ids, b=before[sel]: self._view(ids[k], b[k], None),
+            )
 
     def enforce_budget(self, req_id: str, num_attended: int) -> np.ndarray:
         """Evicts down to the request's budget if it holds more live tokens.
@@ -325,4 +354,8 @@ class EvictionRuntime:
 
 
 def _syncs(policy: EvictionPolicy) -> bool:
-    return type(policy).sync_new_tokens is not EvictionPolicy.sync_new_tokens
+    cls = type(policy)
+    return (cls.sync_new_tokens, cls.sync_batch) != (
+        EvictionPolicy.sync_new_tokens,
+        EvictionPolicy.sync_batch,
+    )

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from vllm.vtoken import integrity
+from vllm.vtoken.arena import segments
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
@@ -152,8 +153,7 @@ class VTokenScheduler:
     @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
         """Slot this step's tokens, plan compaction, build the worker's message."""
-        for rid, n in so.num_scheduled_tokens.items():
-            self._sync_slots(rid, self._requests[rid].num_computed_tokens + n)
+        self._sync_slots(so.num_scheduled_tokens)
         moves = None
         if self.cfg.compaction and self._plan_due:
             t0 = time.perf_counter_ns()
@@ -258,45 +258,68 @@ class VTokenScheduler:
             return np.zeros(len(idx), dtype=np.float32)
         return self._scores.scores_rows(rids, idx, seg)
 
-    def _sync_slots(self, rid: str, upto: int) -> None:
-        """Give tokens [num_slotted, upto) their positional slots."""
-        rec = self._reqs.get(rid)
-        start = self.pool.num_slotted(rid) if rec is not None else 0
-        if upto <= start:
+    def _sync_slots(self, scheduled: dict[str, int]) -> None:
+        """Give the scheduled requests' tokens [num_slotted, computed +
+        scheduled) their positional slots, the batch at once."""
+        if not scheduled:
             return
-        if rec is not None and start < self.pool.num_tokens(rid):
-            # Resumed after preemption: dead tokens get recomputed too.
-            dead = self.pool.dead_idx(rid)
-            dead = dead[(dead >= start) & (dead < upto)]
-            if dead.size:
-                if rec.recomputed_dead is None:
-                    self._recomputing.append(rid)
-                rec.recomputed_dead = dead
-                rec.dead_since_plan += dead.size
-                if rec.dead_since_plan >= self.block_size:
-                    self._plan_due.add(rid)
-        B = self.block_size
+        B, pool = self.block_size, self.pool
+        rids = list(scheduled)
+        reqs = [self._requests[r] for r in rids]
+        upto = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
+        upto += np.fromiter(scheduled.values(), np.int64, len(rids))
+        for req in (r for r in reqs if r.request_id not in self._reqs):
+            self._register(req)
+        rows = pool.rows(rids)
+        start = pool.num_slotted_rows(rows)
+        for i in np.flatnonzero((start < pool.num_tokens_rows(rows)) & (upto > start)):
+            self._recompute_dead(rids[i], int(start[i]), int(upto[i]))
+        grow = np.flatnonzero(upto > start)
+        if not grow.size:
+            return
+        rids = [rids[i] for i in grow]
+        start, upto = start[grow], upto[grow]
+        # Each request's blocks [first, last], as one flat list of block ids.
         first, last = start // B, (upto - 1) // B
-        ids = np.fromiter(
-            (b.block_id for b in self.reclaimer.positional(rid)[first : last + 1]),
-            dtype=np.int64,
-            count=last - first + 1,
+        blocks = [self.reclaimer.req_to_blocks[r] for r in rids]
+        if (first == last).all():  # decode: one block each
+            ids = [b[f].block_id for b, f in zip(blocks, first.tolist(), strict=True)]
+        else:
+            spans = zip(blocks, first.tolist(), (last + 1).tolist(), strict=True)
+            ids = [x.block_id for b, f, e in spans for x in b[f:e]]
+        ids = np.asarray(ids, dtype=np.int64)
+        counts = upto - start
+        seg, k = segments(counts)
+        pos = start[seg] + k
+        nblocks = last - first + 1
+        block_at = (np.cumsum(nblocks) - nblocks)[seg] + pos // B - first[seg]
+        self.runtime.sync_rows(rids, counts, ids[block_at] * B + pos % B)
+
+    def _register(self, req: Request) -> None:
+        rid = req.request_id
+        self._reqs[rid] = RequestState()
+        self._caching.add(rid)
+        evict = request_eviction(
+            req.sampling_params.extra_args if req.sampling_params else None,
+            self.cfg,
+            block_size=self.block_size,
+            max_model_len=self._max_model_len,
         )
-        pos = np.arange(start, upto, dtype=np.int64)
-        slots = ids[pos // B - first] * B + pos % B
-        key = evict = None
-        if rec is None:
-            self._reqs[rid] = RequestState()
-            self._caching.add(rid)
-            req = self._requests[rid]
-            key = _prompt_key(req)
-            evict = request_eviction(
-                req.sampling_params.extra_args if req.sampling_params else None,
-                self.cfg,
-                block_size=B,
-                max_model_len=self._max_model_len,
-            )
-        self.runtime.sync_new_tokens(rid, slots, rng_key=key, evict=evict)
+        self.runtime.register(rid, _prompt_key(req), evict)
+
+    def _recompute_dead(self, rid: str, start: int, upto: int) -> None:
+        # Resumed after preemption: dead tokens in [start, upto) get
+        # recomputed too; their blocks may be freed after that forward.
+        rec = self._reqs[rid]
+        dead = self.pool.dead_idx(rid)
+        dead = dead[(dead >= start) & (dead < upto)]
+        if dead.size:
+            if rec.recomputed_dead is None:
+                self._recomputing.append(rid)
+            rec.recomputed_dead = dead
+            rec.dead_since_plan += dead.size
+            if rec.dead_since_plan >= self.block_size:
+                self._plan_due.add(rid)
 
     # ------------------------------------------------------------ metrics
     def make_stats(self, running: Iterable[Request]) -> VTokenStats:

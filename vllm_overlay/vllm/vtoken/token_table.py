@@ -241,6 +241,10 @@ class TokenTablePool:
         row = self._row[req_id]
         return bool(self._n_live[row] < self._n_tokens[row])
 
+    def num_tokens_rows(self, rows: np.ndarray) -> np.ndarray:
+        """int64 [R]: `num_tokens` of each row."""
+        return self._n_tokens[rows]
+
     def num_slotted_rows(self, rows: np.ndarray) -> np.ndarray:
         """int64 [R]: `num_slotted` of each row."""
         return self._n_slotted[rows]

@@ -10,6 +10,7 @@ the runtime applies its answer (flips liveness bits) and reclamation follows.
 from __future__ import annotations
 
 from abc import ABC
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -160,6 +161,19 @@ class EvictionPolicy(ABC):
         Default: no-op. Must not mutate the view.
         """
 
+    def sync_batch(
+        self,
+        req_ids: list[str],
+        num_new: np.ndarray,
+        view: Callable[[int], RequestView] | None = None,
+    ) -> None:
+        """`sync_new_tokens` for a batch (the step path): request req_ids[k]
+        got num_new[k] new tokens; `view(k)` builds its view. Default: one
+        `sync_new_tokens` call per request with new tokens."""
+        for k, n in enumerate(num_new):
+            if n > 0:
+                self.sync_new_tokens(view(k), int(n))
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         mine = EvictionPolicy.evict_token, EvictionPolicy.evict_batch
@@ -261,38 +275,3 @@ def select_lowest(
         extra = np.flatnonzero(req.evictable & protected)
         first = np.concatenate([first, extra])
     return req.live_idx[first[:num_evict]].astype(np.int64)
-
-
-def recent_batch(batch: BatchView, window: int) -> np.ndarray:
-    """bool [N]: True for each request's `window` most recent live tokens."""
-    from_end = batch.indptr[batch.seg + 1] - 1 - np.arange(batch.seg.size)
-    return from_end < window
-
-
-def lowest_batch(
-    batch: BatchView, num_evict: np.ndarray, key: np.ndarray, protected: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """`select_lowest` for every request at once: per request, the evictable
-    unprotected tokens with the lowest `key` (ties: oldest first), then the
-    protected evictable ones oldest first. Returns (counts, idx)."""
-    tier = np.where(protected, 1, 0) + np.where(batch.evictable, 0, 2)
-    tier = np.minimum(tier, 2)
-    key = np.where(tier == 0, key, 0)
-    order = np.lexsort((batch.live_idx, key, tier, batch.seg))
-    seg = batch.seg[order]
-    rank = np.arange(seg.size) - batch.indptr[seg]
-    take = (rank < np.asarray(num_evict)[seg]) & (tier[order] < 2)
-    counts = np.bincount(seg[take], minlength=len(batch.req_ids))
-    return counts.astype(np.int64), batch.live_idx[order][take]
-
-
-def hash_uniform(seeds: np.ndarray, idx: np.ndarray, nonce: np.ndarray) -> np.ndarray:
-    """float64 in [0, 1): a fixed pseudo-random draw per (seed, idx, nonce)
-    (splitmix64), so a request's draws do not depend on the batch it is in."""
-    with np.errstate(over="ignore"):
-        x = seeds ^ (idx.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-        x ^= nonce.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)

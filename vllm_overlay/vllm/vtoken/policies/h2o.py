@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm.vtoken.policies import base
+from vllm.vtoken.policies import base, selection
 
 
 @base.register_policy
@@ -34,5 +34,5 @@ class H2OPolicy(base.EvictionPolicy):
     def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
         if batch.scores is None:
             raise ValueError("h2o needs accumulated attention scores")
-        protected = base.recent_batch(batch, self.recent)
-        return base.lowest_batch(batch, num_evict, batch.scores, protected)
+        protected = selection.recent_batch(batch, self.recent)
+        return selection.lowest_batch(batch, num_evict, batch.scores, protected)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm.vtoken.policies import base
+from vllm.vtoken.policies import base, selection
 
 
 @base.register_policy
@@ -25,8 +25,8 @@ class RandomPolicy(base.EvictionPolicy):
         # A draw per token, keyed by the request's seed and its newest token
         # (so each step draws afresh): the lowest draws go, a uniform choice.
         newest = batch.live_idx[batch.indptr[1:] - 1]
-        key = base.hash_uniform(
+        key = selection.hash_uniform(
             batch.seeds[batch.seg], batch.live_idx, newest[batch.seg]
         )
         nothing = np.zeros(batch.seg.size, dtype=bool)
-        return base.lowest_batch(batch, num_evict, key, nothing)
+        return selection.lowest_batch(batch, num_evict, key, nothing)

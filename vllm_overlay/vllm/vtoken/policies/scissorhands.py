@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm.vtoken.policies import base
+from vllm.vtoken.policies import base, selection
 
 
 @base.register_policy
@@ -34,30 +34,26 @@ class ScissorhandsPolicy(base.EvictionPolicy):
     def _validate(self) -> None:
         self.recent = round(self._ratio("recent_ratio") * self.budget)
         self.window = self.score_window = self._int("history_window", 1)
-        self._state: dict[str, tuple[int, np.ndarray, int]] = {}  # step, born, n
+        self._born = selection.ArrivalSteps()
+
+    def sync_batch(self, req_ids, num_new, view=None) -> None:
+        self._born.add(req_ids, num_new)
 
     def sync_new_tokens(self, req: base.RequestView, num_new: int) -> None:
-        step, born, n = self._state.get(req.req_id, (0, np.zeros(0, np.int64), 0))
-        if n + num_new > born.size:  # grow by doubling; only [0, n) is read
-            born = np.resize(born, max(2 * born.size, n + num_new))
-        born[n : n + num_new] = step + 1
-        self._state[req.req_id] = (step + 1, born, n + num_new)
+        self._born.add([req.req_id], [num_new])
 
-    def evict_token(self, req: base.RequestView, num_evict: int) -> np.ndarray:
-        if req.scores is None:
+    def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
+        if batch.scores is None:
             raise ValueError("scissorhands needs persistence scores")
-        step, born, _ = self._state[req.req_id]
-        age = step - born[req.live_idx] + 1
+        age = self._born.age(batch)
         seen = 1.0 - (1.0 - 1.0 / self.window) ** age
-        rate = np.minimum(req.scores / seen, 1.0)
+        rate = np.minimum(batch.scores / seen, 1.0)
         unimportant = np.minimum(age, self.window) * (1.0 - rate)
-        protected = base.recent_mask(req, self.recent)
-        return base.select_lowest(req, num_evict, -unimportant, protected)
+        protected = selection.recent_batch(batch, self.recent)
+        return selection.lowest_batch(batch, num_evict, -unimportant, protected)
 
     def reset_scores(self, req_id: str) -> None:
-        if req_id in self._state:  # else old tokens' rates read as ~0
-            step, born, n = self._state[req_id]
-            born[:n] = step
+        self._born.restart(req_id)  # else old tokens' rates read as ~0
 
     def release(self, req_id: str) -> None:
-        self._state.pop(req_id, None)
+        self._born.forget(req_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm.vtoken.policies import base
+from vllm.vtoken.policies import base, selection
 
 
 @base.register_policy
@@ -40,20 +40,17 @@ class SnapKVPolicy(base.EvictionPolicy):
             )
         self._pooled: set[str] = set()  # requests past their first eviction
 
-    def evict_token(self, req: base.RequestView, num_evict: int) -> np.ndarray:
-        if req.scores is None:
+    def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
+        if batch.scores is None:
             raise ValueError("snapkv needs observation-window attention scores")
-        key = req.scores.astype(np.float64)
-        if req.req_id not in self._pooled:  # the end of the prefill
-            self._pooled.add(req.req_id)
-            pad = np.pad(key, self.kernel // 2, constant_values=-np.inf)
-            windows = np.lib.stride_tricks.sliding_window_view(pad, self.kernel)
-            if self.pooling == "max":
-                key = windows.max(axis=1)
-            else:  # zero padding at the ends, as avg_pool1d counts it
-                key = np.where(np.isinf(windows), 0.0, windows).mean(axis=1)
-        protected = base.recent_mask(req, self.window)
-        return base.select_lowest(req, num_evict, key, protected)
+        key = batch.scores.astype(np.float64)
+        first = [r not in self._pooled for r in batch.req_ids]
+        if any(first):  # the end of their prefill: pool the window's scores
+            self._pooled.update(set(batch.req_ids).difference(self._pooled))
+            pooled = selection.pool_along(batch, key, self.kernel, self.pooling)
+            key = np.where(np.asarray(first)[batch.seg], pooled, key)
+        protected = selection.recent_batch(batch, self.window)
+        return selection.lowest_batch(batch, num_evict, key, protected)
 
     def reset_scores(self, req_id: str) -> None:
         self._pooled.discard(req_id)  # the resume is a prefill again

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm.vtoken.policies import base
+from vllm.vtoken.policies import base, selection
 
 
 @base.register_policy
@@ -35,4 +35,4 @@ class StreamingLLMPolicy(base.EvictionPolicy):
 
     def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
         sinks = batch.live_idx < self.num_sinks
-        return base.lowest_batch(batch, num_evict, batch.live_idx, sinks)
+        return selection.lowest_batch(batch, num_evict, batch.live_idx, sinks)

@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Vectorized choices over a `BatchView`, for policies' `evict_batch`.
+
+Each works on every request of the batch in a fixed number of NumPy calls:
+per-request windows by rank within the request's run, per-request ordering by
+one lexsort with the request as the primary key.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm.vtoken.arena import RowArena, segments
+from vllm.vtoken.policies.base import BatchView
+
+
+def recent_batch(batch: BatchView, window: int) -> np.ndarray:
+    """bool [N]: True for each request's `window` most recent live tokens."""
+    from_end = batch.indptr[batch.seg + 1] - 1 - np.arange(batch.seg.size)
+    return from_end < window
+
+
+def lowest_batch(
+    batch: BatchView, num_evict: np.ndarray, key: np.ndarray, protected: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """`select_lowest` for every request at once: per request, the evictable
+    unprotected tokens with the lowest `key` (ties: oldest first), then the
+    protected evictable ones oldest first. Returns (counts, idx)."""
+    tier = np.where(protected, 1, 0) + np.where(batch.evictable, 0, 2)
+    tier = np.minimum(tier, 2)
+    key = np.where(tier == 0, key, 0)
+    order = np.lexsort((batch.live_idx, key, tier, batch.seg))
+    seg = batch.seg[order]
+    rank = np.arange(seg.size) - batch.indptr[seg]
+    take = (rank < np.asarray(num_evict)[seg]) & (tier[order] < 2)
+    counts = np.bincount(seg[take], minlength=len(batch.req_ids))
+    return counts.astype(np.int64), batch.live_idx[order][take]
+
+
+def hash_uniform(seeds: np.ndarray, idx: np.ndarray, nonce: np.ndarray) -> np.ndarray:
+    """float64 in [0, 1): a fixed pseudo-random draw per (seed, idx, nonce)
+    (splitmix64), so a request's draws do not depend on the batch it is in."""
+    with np.errstate(over="ignore"):
+        x = seeds ^ (idx.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        x ^= nonce.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+class ArrivalSteps:
+    """Per request, the step each logical token arrived at, counting a
+    request's steps by its `sync_batch` calls (for age-based policies)."""
+
+    def __init__(self) -> None:
+        self._a = RowArena({"born": (np.int64, 0)}, ("step", "n"))
+
+    def add(self, req_ids: list[str], num_new: np.ndarray) -> None:
+        """Request req_ids[k] starts a step with num_new[k] new tokens."""
+        num_new = np.asarray(num_new, np.int64)
+        ids = [r for r, n in zip(req_ids, num_new.tolist(), strict=True) if n > 0]
+        num_new = num_new[num_new > 0]
+        for rid in set(ids).difference(self._a.index):
+            self._a.add(rid)
+        a, rows = self._a, self._a.rows(ids)
+        step, n = a.cols["step"], a.cols["n"]
+        a.reserve(rows, n[rows] + num_new)
+        seg, k = segments(num_new)
+        a.data["born"][a.start[rows][seg] + n[rows][seg] + k] = step[rows][seg] + 1
+        step[rows] += 1
+        n[rows] += num_new
+
+    def age(self, batch: BatchView) -> np.ndarray:
+        """int64 [N]: steps since each token of `batch` arrived, plus one."""
+        a, rows = self._a, self._a.rows(batch.req_ids)[batch.seg]
+        return a.cols["step"][rows] - a.data["born"][a.start[rows] + batch.live_idx] + 1
+
+    def restart(self, req_id: str) -> None:
+        """Every token of the request counts as arrived at its current step."""
+        if req_id in self._a.index:
+            row = self._a.index[req_id]
+            span = self._a.span(row, self._a.cols["n"][row])
+            self._a.data["born"][span] = self._a.cols["step"][row]
+
+    def forget(self, req_id: str) -> None:
+        if req_id in self._a.index:
+            self._a.remove(req_id)
+
+
+def pool_along(batch: BatchView, key: np.ndarray, kernel: int, how: str) -> np.ndarray:
+    """float64 [N]: `key` pooled over windows of `kernel` (odd) neighbours
+    within each request: their max, or their mean with the ends padded by
+    zeros ("avg", as avg_pool1d counts padding)."""
+    n, half = key.size, kernel // 2
+    out = np.full(n, -np.inf) if how == "max" else np.zeros(n)
+    at = np.arange(n)
+    for d in range(-half, half + 1):
+        j = np.clip(at + d, 0, max(n - 1, 0))
+        same = (at + d >= 0) & (at + d < n) & (batch.seg[j] == batch.seg)
+        if how == "max":
+            out = np.maximum(out, np.where(same, key[j], -np.inf))
+        else:
+            out += np.where(same, key[j], 0.0)
+    return out if how == "max" else out / kernel
