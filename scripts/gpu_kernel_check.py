@@ -144,7 +144,8 @@ def stock_read(b, out):
 def vtoken_read(b, out, scores=None, write=None):
     """One layer of the overlay's read of batch `b`; returns the runner."""
     from vllm.vtoken.context import TokenRead
-    from vllm.vtoken.triton_attention import build_triton_read_plan, triton_forward
+    from vllm.vtoken.triton_attention import triton_forward
+    from vllm.vtoken.triton_plan import build_triton_read_plan
 
     window = None if scores is None else scores.query_window
     plan = build_triton_read_plan(

@@ -114,7 +114,8 @@ _TRITON_CHILD = """
     from vllm.vtoken.context import TokenRead
     from vllm.vtoken.scores import ScoreAccumulator
     from vllm.vtoken.score_kernel import build_score_plan, triton_attention_mass
-    from vllm.vtoken.triton_attention import build_triton_read_plan, triton_forward
+    from vllm.vtoken.triton_attention import triton_forward
+    from vllm.vtoken.triton_plan import build_triton_read_plan
 
     def dense64(q, k, scale, aggregate, window):  # [Lq, Hq, D], [Lk, Hkv, D]
         q, k = q.double().transpose(0, 1), k.double().transpose(0, 1)

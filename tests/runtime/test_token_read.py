@@ -14,7 +14,8 @@ _SETUP = """
     from vllm.vtoken.context import TokenRead
     from vllm.vtoken.cpu_attention import build_cpu_read_plan, cpu_forward
     from vllm.vtoken.scores import ScoreAccumulator
-    from vllm.vtoken.triton_attention import build_triton_read_plan, triton_forward
+    from vllm.vtoken.triton_attention import triton_forward
+    from vllm.vtoken.triton_plan import build_triton_read_plan
 
     def fold(scores, indptr, qsl, norm):  # requests a, b, c; keys by token
         idx = np.concatenate([np.arange(n) for n in np.diff(indptr)])

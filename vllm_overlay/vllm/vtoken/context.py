@@ -19,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from vllm.vtoken.cpu_attention import CpuReadPlan
     from vllm.vtoken.scores import ScoreAccumulator
-    from vllm.vtoken.triton_attention import TritonReadPlan
+    from vllm.vtoken.triton_plan import TritonReadPlan
 
 
 @dataclass(frozen=True, kw_only=True)

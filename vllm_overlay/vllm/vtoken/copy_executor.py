@@ -116,6 +116,17 @@ class KVCopyExecutor:
         if use_triton and self._is_cuda and layout == "triton":
             self._triton = _make_triton_copier(self._caches, block_size)
 
+    def warm_up(self) -> None:
+        """Compiles the copy kernel at start-up, not in the first compacting
+        step (a multi-second stall): one move, slot 0 to slot 1, while the
+        caches hold no token yet. Blocks until it ran; counts no bytes."""
+        if not self._is_cuda or self.num_slots < 2:
+            return
+        self.submit(-1, np.array([0]), np.array([1]))
+        torch.cuda.synchronize(self._device)
+        assert self.poll() == [-1], "the warm-up copy did not complete"
+        self._bytes_copied = 0
+
     @property
     def bytes_copied(self) -> int:
         """Running total of KV bytes written (K and V, all layers)."""

@@ -164,9 +164,29 @@ def build_score_plan(
     Returns:
         The plan; tensors on `kv_slots`'s device, uploaded in one copy.
     """
+    assert kv_indptr[-1] == kv_slots.numel(), "plan mismatch"
+    tiles, block_q = score_tiles(query_start_loc, kv_indptr, query_window, block_q)
+    dev = kv_slots.device
+    return ScorePlan(
+        tiles=torch.from_numpy(tiles).to(dev),
+        num_tiles=tiles.shape[1],
+        kv_slots=kv_slots,
+        positions=torch.arange(kv_slots.numel(), device=dev),
+        block_q=block_q,
+        query_window=query_window,
+    )
+
+
+def score_tiles(
+    query_start_loc: np.ndarray,
+    kv_indptr: np.ndarray,
+    query_window: int | None,
+    block_q: int | None = None,
+) -> tuple[np.ndarray, int]:
+    """`build_score_plan`'s host part: (tiles int32 [4, num_tiles], block_q)."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     kv = np.asarray(kv_indptr, dtype=np.int64)
-    assert qsl.shape == kv.shape and kv[-1] == kv_slots.numel(), "plan mismatch"
+    assert qsl.shape == kv.shape, "plan mismatch"
     qlen, klen = np.diff(qsl), np.diff(kv)
     rows = np.where(klen > 0, qlen, 0)  # no keys: not on the read
     if query_window is not None:
@@ -179,15 +199,7 @@ def build_score_plan(
     first = qsl[1:] - rows  # each request's first counted row
     tiles = np.stack([first[req] + nth * block_q, qsl[1:][req], kv[:-1][req]])
     tiles = np.concatenate([tiles, klen[req][None]]).astype(np.int32)
-    dev = kv_slots.device
-    return ScorePlan(
-        tiles=torch.from_numpy(tiles).to(dev),
-        num_tiles=int(req.size),
-        kv_slots=kv_slots,
-        positions=torch.arange(kv_slots.numel(), device=dev),
-        block_q=int(block_q),
-        query_window=query_window,
-    )
+    return tiles, int(block_q)
 
 
 def triton_attention_mass(

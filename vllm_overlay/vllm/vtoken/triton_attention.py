@@ -24,86 +24,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.vtoken.score_kernel import (
-    ScorePlan,
-    build_score_plan,
-    triton_attention_mass,
+from vllm.vtoken.score_kernel import build_score_plan, triton_attention_mass
+from vllm.vtoken.staging import HostToDevice
+from vllm.vtoken.triton_plan import (
+    TritonReadPlan,
+    build_triton_read_plan,
+    slots_to_rows,
 )
 
-
-@dataclass(frozen=True)
-class TritonReadPlan:
-    """One step's read on TRITON_ATTN, shared by every layer: the requests
-    that take their output from it (those with a dead token), compacted."""
-
-    token_table: torch.Tensor | None  # [R', W] int32 row ids; None: no request
-    live_lens: torch.Tensor  # [R'] int32
-    query_start_loc: torch.Tensor  # [R' + 1] int32, on the device
-    rows: torch.Tensor | None  # int64 their query rows in the step; None: all
-    max_query_len: int
-    max_live_len: int
-    block_size: int
-    score: ScorePlan | None = None  # every scored request's keys; None: no scores
-
-
-def build_triton_read_plan(
-    query_start_loc: np.ndarray,
-    kv_indptr: np.ndarray,
-    kv_slots: torch.Tensor,
-    block_size: int,
-    write: np.ndarray | None = None,
-    *,
-    scored: bool = False,
-    score_query_window: int | None = None,
-) -> TritonReadPlan:
-    """See `TokenRead` for the arguments; tensors go to `kv_slots`'s device.
-
-    `write` (bool [R], default all): the requests whose output the read
-    writes; the others (read for their scores only, or not at all) take vLLM's
-    kernel output, which the backend computes for the whole batch first.
-    `scored`: the step accumulates scores (`TokenRead.scores` set), so the plan
-    carries the `ScorePlan` of every request with keys, counting each one's
-    last `score_query_window` query rows (SnapKV), or all of them.
-    """
-    score = None
-    if scored:  # over every request with keys, before the writers are compacted
-        score = build_score_plan(
-            query_start_loc, kv_indptr, kv_slots, score_query_window
-        )
-    lens, qlens = np.diff(kv_indptr), np.diff(query_start_loc)
-    sel = lens > 0 if write is None else np.asarray(write, bool) & (lens > 0)
-    dev, rows = kv_slots.device, None
-    if not sel.all():  # compact the writing requests: query rows and keys
-        idx = np.flatnonzero(sel)
-        rows = torch.from_numpy(_ranges(query_start_loc[idx], qlens[idx])).to(dev)
-        keys = torch.from_numpy(_ranges(kv_indptr[idx], lens[idx])).to(dev)
-        kv_slots, lens, qlens = kv_slots[keys], lens[idx], qlens[idx]
-    qsl, kv_indptr = np.r_[0, np.cumsum(qlens)], np.r_[0, np.cumsum(lens)]
-    table = None
-    if lens.size:
-        width = max(64, -(-int(lens.max()) // 64) * 64)
-        table, live = build_token_table(kv_indptr, kv_slots, block_size, width)
-    else:
-        live = torch.zeros(0, dtype=torch.int32, device=dev)
-    return TritonReadPlan(
-        token_table=table,
-        live_lens=live,
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-        rows=rows,
-        max_query_len=int(qlens.max(initial=0)),
-        max_live_len=int(lens.max(initial=0)),
-        block_size=block_size,
-        score=score,
-    )
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """int64: the concatenation of [starts[i], starts[i] + counts[i])."""
-    total = int(counts.sum())
-    offset = np.repeat(
-        np.asarray(starts, np.int64) - np.r_[0, np.cumsum(counts)[:-1]], counts
-    )
-    return offset + np.arange(total, dtype=np.int64)
+# TritonAttentionMetadata's split-KV fields, unified_attention's arguments.
+SPLIT_KV = (
+    "seq_threshold_3D",
+    "num_par_softmax_segments",
+    "softmax_segm_output",
+    "softmax_segm_max",
+    "softmax_segm_expsum",
+)
 
 
 def triton_forward(
@@ -112,8 +48,13 @@ def triton_forward(
     kv_cache: torch.Tensor,
     output: torch.Tensor,
     scale: float,
+    split_kv: Any = None,
 ) -> None:
     """TRITON_ATTN's forward with vToken on: the step's read over live tokens.
+
+    `split_kv`: the step's TritonAttentionMetadata, whose split-KV (3D)
+    buffers and threshold the read passes on, so decode at small batches takes
+    the same 2D/3D choice as stock.
 
     With `read.with_stock` vLLM's kernel has written every row already; the
     read overwrites the rows of the requests with a dead token.
@@ -134,6 +75,7 @@ def triton_forward(
             max_query_len=plan.max_query_len,
             max_live_len=plan.max_live_len,
             scale=scale,
+            split_kv=split_kv,
         )
         if plan.rows is not None:
             out[plan.rows] = o
@@ -155,21 +97,33 @@ def triton_forward(
         read.scores.add(score.positions, mass)
 
 
-def slots_to_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Maps slots to rows of the one-token-page view of a TRITON_ATTN cache.
+def warm_up(kv_cache: torch.Tensor, num_heads: int, scores: Any = None) -> None:
+    """Compiles the token read's kernels at start-up (decode and prefill
+    variants, and the score kernel when `scores` are accumulated), so the
+    first requests do not stall on Triton compiles. Reads slots 0 and 1 into
+    scratch; writes nothing of the engine's."""
+    _, _, block, _, head_dim = kv_cache.shape
+    stage = HostToDevice(kv_cache.device)
+    for num_q in (1, 2):
+        plan = build_triton_read_plan(
+            np.array([0, num_q]),
+            np.array([0, 2]),
+            np.arange(2),
+            block,
+            scored=scores is not None,
+            score_query_window=getattr(scores, "query_window", None),
+            stage=stage,
+        )
+        q = kv_cache.new_zeros(num_q, num_heads, head_dim)
+        triton_forward(_Read(plan, None), q, kv_cache, torch.empty_like(q), 1.0)
+        if scores is not None:
+            triton_attention_mass(q, kv_cache, plan.score, 1.0, scores.aggregate)
 
-    With `[N, 2, B, H, D]` viewed as `[N * 2 * B, 1, H, D]`, K of slot
-    `(n, b)` is row `n * 2B + b` and V is the same row of the view shifted by
-    B rows.
 
-    Args:
-        slots: `[S]` int64.
-        block_size: B.
-
-    Returns:
-        `[S]` int64 row ids.
-    """
-    return (slots // block_size) * (2 * block_size) + slots % block_size
+@dataclass(frozen=True)
+class _Read:  # what triton_forward reads of a TokenRead
+    plan: TritonReadPlan
+    scores: Any
 
 
 def build_token_table(
@@ -219,6 +173,7 @@ def triton_token_attention(
     max_query_len: int,
     max_live_len: int,
     scale: float,
+    split_kv: Any = None,
 ) -> None:
     """Causal attention over live tokens of a TRITON_ATTN cache (GPU).
 
@@ -238,7 +193,8 @@ def triton_token_attention(
         max_query_len: longest query run.
         max_live_len: longest live list.
         scale: softmax scale.
-
+        split_kv: Optional TritonAttentionMetadata: its split-KV buffers let
+            unified_attention take its 3D path (decode, few requests).
     """
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
@@ -263,6 +219,7 @@ def triton_token_attention(
         q_descale=None,
         k_descale=None,
         v_descale=None,
+        **{name: getattr(split_kv, name, None) for name in SPLIT_KV},
     )
 
 

@@ -36,6 +36,7 @@ from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.staging import HostToDevice
 from vllm.vtoken.stats import VTokenCounters, timed
 from vllm.vtoken.token_table import TokenTablePool
 
@@ -95,6 +96,14 @@ class VTokenWorker:
         # CPU cache [2, N, H, B, D]: the read plan addresses V rows per KV head.
         self._num_kv_heads = kv_caches[0].shape[2] if layout == "cpu" else 0
         self.executor = KVCopyExecutor(kv_caches, layout, B)
+        if layout == "triton":  # compile now, not in the first requests' steps
+            from vllm.vtoken.triton_attention import warm_up
+
+            self.executor.warm_up()
+            heads = vllm_config.model_config.get_num_attention_heads(
+                vllm_config.parallel_config
+            )
+            warm_up(kv_caches[0], heads, self.scores)
         model = vllm_config.model_config
         self._max_model_len = model.max_model_len
         parallel = vllm_config.parallel_config
@@ -109,6 +118,7 @@ class VTokenWorker:
         # token of each key (TokenRead.kv_slots order).
         self._read_keys: tuple[list[str], np.ndarray] | None = None
         self._device = device
+        self._stage = HostToDevice(device)  # the read plan's one upload a step
         # Requests whose policy reads attention scores: the token read always
         # covers them, for their scores (vLLM's kernels return no
         # probabilities); their output is its only once they have a dead token.
@@ -202,27 +212,30 @@ class VTokenWorker:
         num_keys[read] = np.bincount(seg[keep], minlength=read.size)
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_keys, out=kv_indptr[1:])
-        kv_slots = torch.from_numpy(slot[keep].astype(np.int64)).to(self._device)
+        kv_np = slot[keep].astype(np.int64)
         if self.scores is not None:
-            self.scores.begin_step(kv_slots.numel())
+            self.scores.begin_step(kv_np.size)
             self._read_keys = (list(rids), idx[keep])
         if self._device.type == "cpu":
+            kv_slots = torch.from_numpy(kv_np)
             plan = build_cpu_read_plan(
                 qsl, kv_indptr, kv_slots, B, self._num_kv_heads, write=writes
             )
         else:
-            from vllm.vtoken.triton_attention import build_triton_read_plan
+            from vllm.vtoken.triton_plan import build_triton_read_plan
 
             scores = self.scores
             plan = build_triton_read_plan(
                 qsl,
                 kv_indptr,
-                kv_slots,
+                kv_np,
                 B,
                 writes,
                 scored=scores is not None,
                 score_query_window=None if scores is None else scores.query_window,
+                stage=self._stage,
             )
+            kv_slots = plan.kv_slots
         self._read = TokenRead(
             query_start_loc=qsl,
             kv_indptr=kv_indptr,

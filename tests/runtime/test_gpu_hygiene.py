@@ -1,0 +1,60 @@
+"""The step's device work, counted: one upload of the read plan per step, no
+host synchronization inside a layer's read and scoring (CUDA only)."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.staging import HostToDevice
+from vllm.vtoken.triton_plan import build_triton_read_plan
+
+LENS, QLENS = [40, 7, 25], [1, 7, 3]  # decode, full prefill, chunk
+
+
+def step(device: str, write=None):
+    gen = torch.Generator().manual_seed(0)
+    N, B = 8, 16
+    slots = torch.randperm(N * B, generator=gen)[: sum(LENS)].numpy()
+    indptr = np.r_[0, np.cumsum(LENS)]
+    qsl = np.r_[0, np.cumsum(QLENS)]
+    stage = HostToDevice(device)
+    plan = build_triton_read_plan(
+        qsl, indptr, slots, B, write, scored=True, stage=stage
+    )
+    return stage, plan, slots, qsl, indptr
+
+
+@pytest.mark.parametrize("write", [None, np.array([True, False, True])])
+def test_the_read_plan_is_one_upload(write):
+    stage, plan, slots, _, _ = step("cpu", write)
+    assert stage.uploads == 1
+    np.testing.assert_array_equal(plan.kv_slots.numpy(), slots)
+    assert plan.score.kv_slots is plan.kv_slots  # the same upload, not a copy
+    rows = plan.token_table.shape[0]
+    assert rows == (3 if write is None else 2) and plan.live_lens.numel() == rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_host_sync_inside_a_layers_read_and_scores():
+    from types import SimpleNamespace
+
+    from vllm.vtoken.triton_attention import triton_forward
+
+    stage, plan, slots, qsl, indptr = step("cuda")
+    N, B, H, Hq, D = 8, 16, 2, 4, 64
+    kv = torch.randn(N, 2, B, H, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(int(qsl[-1]), Hq, D, device="cuda", dtype=torch.bfloat16)
+    acc = ScoreAccumulator("sum", "cuda")
+    acc.begin_step(slots.size)
+    read = SimpleNamespace(plan=plan, scores=acc)
+    out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):  # two layers
+            triton_forward(read, q, kv, out, D**-0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert stage.uploads == 1
