@@ -203,6 +203,23 @@ def test_attention_the_read_does_not_implement_is_refused(impl, what):
     refuse_unsupported_attention(vllm_config)  # plain attention passes
 
 
+def test_the_worker_asserts_attention_splits_cuda_graphs():
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.vtoken.worker import assert_attention_splits_graphs
+
+    def config(mode, ops):
+        c = SimpleNamespace(cudagraph_mode=mode, splitting_ops=ops)
+        return SimpleNamespace(compilation_config=c)
+
+    attention = ["vllm::unified_attention_with_output"]
+    assert_attention_splits_graphs(config(CUDAGraphMode.PIECEWISE, attention))
+    assert_attention_splits_graphs(config(CUDAGraphMode.NONE, []))  # eager
+    with pytest.raises(AssertionError, match="graph-splitting ops"):
+        assert_attention_splits_graphs(config(CUDAGraphMode.PIECEWISE, ["x::y"]))
+
+
 @pytest.mark.parametrize(
     "flags, line",
     [

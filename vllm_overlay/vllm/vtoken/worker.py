@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from vllm.vtoken.arena import lookup, ranges
-from vllm.vtoken.config import UNBOUNDED_BUDGET
+from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
 from vllm.vtoken.cpu_attention import build_cpu_read_plan
@@ -69,6 +69,20 @@ def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
             )
 
 
+def assert_attention_splits_graphs(vllm_config: VllmConfig) -> None:
+    """GPU: CUDA graphs must run attention eagerly (a splitting op), or a
+    graph would replay vLLM's read of every block, freed ones included. The
+    config refuses the combinations that break this; this checks the result."""
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is None or mode.name == "NONE":
+        return
+    assert _ATTENTION_OP in (compilation.splitting_ops or ()), (
+        f"vToken needs {_ATTENTION_OP} among the graph-splitting ops "
+        f"(cudagraph_mode {mode.name}, splitting_ops {compilation.splitting_ops})"
+    )
+
+
 class VTokenWorker:
     def __init__(self, vllm_config: VllmConfig, kv_caches: list[torch.Tensor]) -> None:
         refuse_unsupported_attention(vllm_config)
@@ -99,6 +113,7 @@ class VTokenWorker:
         if layout == "triton":  # compile now, not in the first requests' steps
             from vllm.vtoken.triton_attention import warm_up
 
+            assert_attention_splits_graphs(vllm_config)
             self.executor.warm_up()
             heads = vllm_config.model_config.get_num_attention_heads(
                 vllm_config.parallel_config
