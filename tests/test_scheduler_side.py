@@ -16,6 +16,14 @@ import torch
 B = 4
 
 
+@pytest.fixture(autouse=True)
+def deep_checks(monkeypatch):
+    """The overlay's deep checks, as in tests/runtime (VTOKEN_CHECK_INTEGRITY)."""
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", True)
+
+
 def setup(reclaim: str, caching: bool = False, embeds: bool = False, blocks=16):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -275,3 +283,29 @@ def test_a_tight_pool_writes_cached_blocks():
     assert b2.block_hash is not None  # untouched
     # The hash chain ends at b1: the probe finds b0 only.
     assert cache_hits(kv, list(range(100, 113))) == 4
+
+
+def test_blocks_emptied_mid_list_are_freed_in_place_also_after_a_resume():
+    """Naive-evict finds an emptied block in the request's list through the
+    reclaimer's block -> position map, which follows vLLM's appends and the
+    new list of a resumed request (the deep checks compare it with the list
+    at every use)."""
+    kv, vt, req = setup("naive")
+    step(kv, vt, req, 12, running=[])
+    b0 = kv.get_block_ids("A")[0][0]
+    for _ in range(6):  # StreamingLLM keeps token 0 and the newest: 7..11 die
+        step(kv, vt, req, 1, running=[req])
+    ids = kv.get_block_ids("A")[0]  # tokens 4-7 (b1) and 8-11 (b2) all dead
+    assert len(ids) == 5 and ids[:3] == [b0, 0, 0] and 0 not in ids[3:]
+    assert kv.block_pool.get_num_free_blocks() == 15 - 3
+    vt.on_preempt(req)
+    kv.free(req)
+    req.num_computed_tokens = 0
+    step(kv, vt, req, req.num_tokens, running=[])  # 19 tokens, 5 new blocks
+    for _ in range(7):  # recomputed dead 4-11 freed at once, 12-15 and 16-19 later
+        step(kv, vt, req, 1, running=[req])
+    ids = kv.get_block_ids("A")[0]
+    assert [i for i, b in enumerate(ids) if b == 0] == [1, 2, 3, 4]
+    vt.on_free(req)
+    kv.free(req)
+    assert kv.block_pool.get_num_free_blocks() == 15

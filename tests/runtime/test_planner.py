@@ -1,16 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""plan_blocks / plan_evacuation / pack_request: exact plans, loop references,
-an oracle."""
+"""plan_blocks / plan_around_cache / pack_requests: exact plans and moves, loop
+references, an oracle."""
 
 import numpy as np
 import pytest
 
-from vllm.vtoken.planner import (
-    BlockPlan,
-    pack_request,
-    plan_around_cache,
-    plan_blocks,
-)
+from vllm.vtoken.packing import Moves, pack_requests
+from vllm.vtoken.planner import BlockPlan, _lexsort, plan_around_cache, plan_blocks
 from vllm.vtoken.token_table import TokenTablePool
 
 B = 4
@@ -260,55 +256,156 @@ def test_plan_blocks_validates_arguments():
             plan_blocks(**{**good, **change})
 
 
-def test_pack_request_fills_holes_in_order():
-    # Live tokens: idx 0 in source block 7 (slot 29), idx 5-6 in source block
-    # 3 (slots 13, 14); block 5 holds idx 9 at offset 0 (slot 20), block 2 holds
-    # idx 10-11 at offsets 1, 3 (slots 9, 11). Holes: block 5 offsets 1-3, block
-    # 2 offsets 0, 2 -- taken in the given destination order, offsets ascending.
-    m = pack_request(
-        live_idx=np.array([0, 5, 6, 9, 10, 11]),
-        live_slots=np.array([29, 13, 14, 20, 9, 11]),
-        src_block_ids=np.array([7, 3], dtype=np.int32),
-        dst_block_ids=np.array([2, 5]),
-        block_size=B,
+def test_lexsort_matches_numpy():
+    rng = np.random.default_rng(0)
+    for widths in ([5, 3], [17, 1024], [300, 300, 2], [1 << 17, 4], [1]):
+        keys = [rng.integers(-(w // 2), w - w // 2, size=500) for w in widths]
+        np.testing.assert_array_equal(_lexsort(*keys), np.lexsort(keys))
+    assert _lexsort(np.zeros(0, np.int64)).size == 0
+
+
+def block_plan(src: list[list[int]], dst: list[list[int]], fresh=None) -> BlockPlan:
+    """A hand-made plan: per planned request (input requests 0..K-1), its
+    sources, destinations and fresh block count."""
+
+    def csr(lists):
+        return np.cumsum([0] + [len(x) for x in lists]).astype(np.int64)
+
+    return BlockPlan(
+        req_index=np.arange(len(src)),
+        src_indptr=csr(src),
+        src_block_ids=np.array([b for x in src for b in x], dtype=np.int32),
+        dst_indptr=csr(dst),
+        dst_block_ids=np.array([b for x in dst for b in x], dtype=np.int32),
+        num_fresh=np.array(fresh or [0] * len(src), dtype=np.int64),
     )
-    assert m.idx.tolist() == [0, 5, 6]
-    assert m.src_slots.tolist() == [29, 13, 14]
-    assert m.dst_slots.tolist() == [8, 10, 21]
-    for arr in (m.idx, m.src_slots, m.dst_slots):
+
+
+def pack(p: BlockPlan, tokens, fresh=(), num_blocks=64) -> Moves:
+    """tokens: per input request, its live (logical indices, slots)."""
+
+    def flat(j):
+        return np.concatenate([np.asarray(t[j], np.int64) for t in tokens] + [[]])
+
+    return pack_requests(
+        p,
+        live_indptr=np.cumsum([0] + [len(t[0]) for t in tokens]),
+        live_idx=flat(0).astype(np.int64),
+        live_slots=flat(1).astype(np.int64),
+        block_size=B,
+        num_blocks=num_blocks,
+        fresh_block_ids=np.array(fresh, dtype=np.int64),
+    )
+
+
+def per_request(m: Moves) -> list[tuple[list[int], list[int], list[int]]]:
+    cut = m.indptr.tolist()
+    return [
+        tuple(a[lo:hi].tolist() for a in (m.idx, m.src_slots, m.dst_slots))
+        for lo, hi in zip(cut[:-1], cut[1:], strict=True)
+    ]
+
+
+def test_pack_requests_fills_holes_in_order():
+    # Request 0: idx 0 in source block 7 (slot 29), idx 5-6 in source block 3
+    # (slots 13, 14); block 5 holds idx 9 at offset 0 (slot 20), block 2 idx
+    # 10-11 at offsets 1, 3 (slots 9, 11). Holes: block 2 offsets 0, 2, then
+    # block 5 offsets 1-3 -- the given destination order, offsets ascending.
+    # Request 1: its source 1 (slots 5, 6) into fresh block 11 (all holes).
+    # Request 2 is not planned: its token in block 9 stays.
+    p = block_plan([[7, 3], [1]], [[2, 5], []], fresh=[0, 1])
+    tokens = [
+        ([0, 5, 6, 9, 10, 11], [29, 13, 14, 20, 9, 11]),
+        ([3, 4], [5, 6]),
+        ([0], [36]),
+    ]
+    m = pack(p, tokens, fresh=[11])
+    assert per_request(m) == [
+        ([0, 5, 6], [29, 13, 14], [8, 10, 21]),
+        ([3, 4], [5, 6], [44, 45]),
+    ]
+    assert m.indptr.tolist() == [0, 3, 5]
+    for arr in (m.indptr, m.idx, m.src_slots, m.dst_slots):
         assert arr.dtype == np.int64
-    # An untouched block is all holes.
-    m = pack_request(
-        live_idx=np.arange(3),
-        live_slots=np.array([4, 5, 9]),
-        src_block_ids=np.array([1, 2]),
-        dst_block_ids=np.array([11]),
-        block_size=B,
-    )
-    assert m.dst_slots.tolist() == [44, 45, 46]
+    # A request whose sources hold no live token moves nothing.
+    m = pack(block_plan([[4]], [[]]), [([1], [9])])
+    assert m.indptr.tolist() == [0, 0] and m.idx.size == 0
 
 
-def test_pack_request_rejects_what_cannot_work():
-    kw = dict(live_idx=np.arange(5), live_slots=np.arange(5), block_size=B)
-    # 5 live tokens in blocks 0-1; block 5 has 4 free slots.
+def test_pack_requests_rejects_what_cannot_work():
+    five = [(np.arange(5), np.arange(5))]  # 5 live tokens in blocks 0-1
     with pytest.raises(AssertionError, match="do not fit"):
-        pack_request(src_block_ids=np.array([0, 1]), dst_block_ids=np.array([5]), **kw)
+        pack(block_plan([[0, 1]], [[5]]), five)  # block 5: 4 free slots
     with pytest.raises(AssertionError, match="is a source"):
-        pack_request(
-            src_block_ids=np.array([0, 1]), dst_block_ids=np.array([1, 2]), **kw
-        )
+        pack(block_plan([[0, 1]], [[1, 2]]), five)
     with pytest.raises(AssertionError):
-        pack_request(
-            live_idx=np.arange(3),
-            live_slots=np.arange(2),
-            src_block_ids=np.array([0]),
-            dst_block_ids=np.array([5]),
-            block_size=B,
-        )
-    empty = pack_request(
-        src_block_ids=np.array([], dtype=np.int64), dst_block_ids=np.array([]), **kw
+        pack(block_plan([[0]], [[5]]), [(np.arange(3), np.arange(2))])
+    with pytest.raises(AssertionError, match="no plan"):  # request 1's tokens
+        pack(block_plan([[0]], [[5]]), [([], []), ([0], [1])])
+    with pytest.raises(AssertionError):  # fresh blocks the plan did not ask for
+        pack(block_plan([[0]], [[5]]), five[:1], fresh=[9])
+    empty = pack(block_plan([], []), [])
+    assert empty.indptr.tolist() == [0] and empty.idx.size == 0
+
+
+def pack_reference(p: BlockPlan, tokens, fresh):
+    """Loop reference: per planned request, its source tokens in logical
+    order into the free slots of its destinations, then its fresh blocks."""
+    out, at = [], 0
+    for k, r in enumerate(p.req_index.tolist()):
+        src = set(p.src_block_ids[p.src_indptr[k] : p.src_indptr[k + 1]].tolist())
+        dst = p.dst_block_ids[p.dst_indptr[k] : p.dst_indptr[k + 1]].tolist()
+        dst += list(fresh[at : at + p.num_fresh[k]])
+        at += p.num_fresh[k]
+        idx, slots = (np.asarray(a).tolist() for a in tokens[r])
+        held = set(slots)
+        free = [d * B + o for d in dst for o in range(B) if d * B + o not in held]
+        moved = [
+            (i, s) for i, s in sorted(zip(idx, slots, strict=True)) if s // B in src
+        ]
+        assert len(moved) <= len(free)
+        dsts = free[: len(moved)]
+        out.append(([i for i, _ in moved], [s for _, s in moved], dsts))
+    return out
+
+
+def random_tokens(seed: int):
+    """1-8 requests of 0-11 distinct blocks, a random part of their slots
+    live, at logical indices in no relation to the blocks (as after moves)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(np.arange(1, 200))
+    blocks, tokens, at = [], [], 0
+    for _ in range(rng.integers(1, 9)):
+        n = int(rng.integers(0, 12))
+        mine, at = ids[at : at + n], at + n
+        slots = rng.permutation((mine[:, None] * B + np.arange(B)).ravel())
+        slots = slots[: rng.integers(0, slots.size + 1)]
+        idx = np.sort(rng.choice(2 * B * max(n, 1), slots.size, replace=False))
+        blocks.append(mine)
+        tokens.append((idx, slots))
+    return rng, blocks, tokens, ids[at:]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pack_requests_matches_loop_reference(seed):
+    rng, blocks, tokens, unused = random_tokens(seed)
+    ids = np.concatenate(blocks + [[]]).astype(np.int32)
+    live = np.zeros(200, np.int64)
+    np.add.at(live, np.concatenate([t[1] for t in tokens]) // B, 1)
+    args = dict(
+        req_indptr=np.cumsum([0] + [len(b) for b in blocks]),
+        block_ids=ids,
+        block_live=live[ids],
+        block_size=B,
+        threshold=float(rng.choice([0.3, 0.5, 0.75, 1.0])),
     )
-    assert empty.idx.size == 0 and empty.dst_slots.size == 0
+    if seed % 2:
+        p = plan_blocks(**args)
+    else:
+        p = plan_around_cache(cached=rng.random(ids.size) < 0.9, **args)
+    fresh = unused[: p.num_fresh.sum()].tolist()
+    m = pack(p, tokens, fresh=fresh, num_blocks=200)
+    assert per_request(m) == pack_reference(p, tokens, fresh)
 
 
 def test_oracle_plan_pack_apply_equals_dense_gather_of_kept_tokens():
@@ -337,17 +434,10 @@ def test_oracle_plan_pack_apply_equals_dense_gather_of_kept_tokens():
     # empty 2 blocks, 7 (no moves) and 2 (token 3 -> block 5's first hole,
     # offset 1 = slot 21). b's only eligible block has 3 holes: nothing.
     assert as_lists(p) == [(0, [7, 2], [5])]
-    k, rid = 0, rids[p.req_index[0]]
-    m = pack_request(
-        live_idx=pool.live_idx(rid),
-        live_slots=pool.live_slots(rid),
-        src_block_ids=p.src_block_ids[p.src_indptr[k] : p.src_indptr[k + 1]],
-        dst_block_ids=p.dst_block_ids[p.dst_indptr[k] : p.dst_indptr[k + 1]],
-        block_size=B,
-    )
+    m = pack(p, [(pool.live_idx(r), pool.live_slots(r)) for r in rids], num_blocks=16)
     assert m.idx.tolist() == [3] and m.dst_slots.tolist() == [21]
     kv[m.dst_slots] = kv[m.src_slots]
-    pool.apply_moves([rid], np.array([0, m.idx.size]), m.idx, m.dst_slots)
+    pool.apply_moves(["a"], m.indptr, m.idx, m.dst_slots)
     kv[(np.array([7, 2])[:, None] * B + np.arange(B)).ravel()] = np.nan  # freed
     for r in held:
         np.testing.assert_array_equal(kv[pool.live_slots(r)], dense[r])

@@ -14,7 +14,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm.vtoken.planner import pack_request, plan_blocks
+from vllm.vtoken.packing import pack_requests
+from vllm.vtoken.planner import plan_blocks
 from vllm.vtoken.token_table import TokenTablePool
 
 NUM_BLOCKS, B = 32, 4
@@ -100,33 +101,37 @@ class Sim:
         )
         self.stats["planned"] += plan.req_index.size
         owned = np.concatenate([self.pool.live_slots(r) for r in rids] + [[]])
+        moves = pack_requests(
+            plan,
+            live_indptr=np.cumsum([0] + [self.pool.live_idx(r).size for r in rids]),
+            live_idx=np.concatenate([self.pool.live_idx(r) for r in rids] + [[]]),
+            live_slots=owned,
+            block_size=B,
+            num_blocks=NUM_BLOCKS,
+        )
+        assert not np.isin(moves.dst_slots, owned).any(), "move onto a live slot"
+        assert np.unique(moves.dst_slots).size == moves.dst_slots.size
         batch = []
         for k, r in enumerate(plan.req_index):
             rid = rids[r]
             src = plan.src_block_ids[plan.src_indptr[k] : plan.src_indptr[k + 1]]
             dst = plan.dst_block_ids[plan.dst_indptr[k] : plan.dst_indptr[k + 1]]
             assert set(dst.tolist()) <= self.held[rid] - {tails[rid]} - set(src)
-            m = pack_request(
-                live_idx=self.pool.live_idx(rid),
-                live_slots=self.pool.live_slots(rid),
-                src_block_ids=src,
-                dst_block_ids=dst,
-                block_size=B,
-            )
-            assert not np.isin(m.dst_slots, owned).any(), "move onto a live slot"
-            assert np.unique(m.dst_slots).size == m.dst_slots.size
+            lo, hi = moves.indptr[k], moves.indptr[k + 1]
+            m = (moves.idx[lo:hi], moves.src_slots[lo:hi], moves.dst_slots[lo:hi])
+            assert set((m[2] // B).tolist()) <= set(dst.tolist())
             batch.append((rid, src, m))
         assert len(self.free) == free_before, "a plan took a block from the pool"
-        for rid, _, m in batch:  # some moved tokens die before the ack
-            dead = m.idx[: int(die * m.idx.size)]
+        for rid, _, (idx, _, _) in batch:  # some moved tokens die before the ack
+            dead = idx[: int(die * idx.size)]
             self.pool.evict(rid, dead)
             self.live[rid].difference_update(dead.tolist())
-        for rid, src, m in batch:  # the worker copies, then the scheduler acks
-            self.kv[m.dst_slots] = self.kv[m.src_slots]
-            self.pool.apply_moves([rid], np.array([0, m.idx.size]), m.idx, m.dst_slots)
+        for rid, src, (idx, src_slots, dst_slots) in batch:  # copy, then ack
+            self.kv[dst_slots] = self.kv[src_slots]
+            self.pool.apply_moves([rid], np.array([0, idx.size]), idx, dst_slots)
             assert (self.pool.block_live[src] == 0).all(), "live token left behind"
             self._free_blocks(rid, src.tolist())
-            self.stats["moves"] += m.idx.size
+            self.stats["moves"] += idx.size
         assert len(self.free) == free_before + plan.blocks_freed
 
     def free_dead(self, rid: str) -> None:

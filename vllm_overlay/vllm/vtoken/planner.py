@@ -1,15 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Reclamation planner: which blocks to empty, and where their live tokens go.
 
-Scheduler side; pure functions, no state, no Python loop over blocks or tokens
-(the paper names planner CPU time as vToken's dominant cost). Three calls:
+Scheduler side; pure functions, no state, no Python loop over requests, blocks
+or tokens (the paper names planner CPU time as vToken's dominant cost), each
+call one vectorized pass over every request planned in the step:
 
-1. `plan_blocks` (all requests at once): per request, the sparsest blocks whose
-   live tokens fit into the holes of the request's other blocks (in place).
-2. `plan_around_cache` (all requests at once): the same, but no block the
-   prefix cache can serve is written; fresh blocks take what holes cannot.
-3. `pack_request` (per planned request): move those live tokens, in logical
-   order, into the holes, first destination block first.
+1. `plan_blocks`: per request, the sparsest blocks whose live tokens fit into
+   the holes of the request's other blocks (in place).
+2. `plan_around_cache`: the same, but no block the prefix cache can serve is
+   written; fresh blocks take what holes cannot.
+3. `packing.pack_requests`: move those live tokens, in logical order, into
+   the holes, first destination block first.
 
 In place, a request's dead slots are its destinations, so such a plan never
 takes a block from the pool and can never push another request into
@@ -63,13 +64,39 @@ class BlockPlan:
         return int(self.src_block_ids.size - self.num_fresh.sum())
 
 
-@dataclass(frozen=True, kw_only=True)
-class Moves:
-    """KV moves of one request: token idx[i] goes from src_slots[i] to dst_slots[i]."""
+_RADIX = 1 << 16  # NumPy's stable sort of <= 16-bit integers is a radix sort
 
-    idx: np.ndarray  # int64 [M]: logical token indices, ascending
-    src_slots: np.ndarray  # int64 [M]
-    dst_slots: np.ndarray  # int64 [M]
+
+def _lexsort(*keys: np.ndarray, widths: tuple[int, ...] | None = None) -> np.ndarray:
+    """np.lexsort(keys): stable, the last key primary. The planner's keys are
+    small (live counts, request indices, ranks), so they are packed into
+    16-bit digits and radix-sorted, a pass each: lexsort's merge sorts were
+    most of the planner's time at 100k blocks. `widths`: each key is known
+    to lie in [0, width), which saves finding its range."""
+    n = len(keys[0])
+    digits, digit, span = [], None, 1
+    for j, key in enumerate(keys):  # least significant first
+        key = np.asarray(key, dtype=np.int64)
+        if widths is not None:
+            width = widths[j]
+        else:
+            lo = int(key.min()) if n else 0
+            width = int(key.max()) - lo + 1 if n else 1
+            key = key - lo
+        if width > _RADIX:
+            return np.lexsort(keys)
+        if span * width > _RADIX:
+            digits.append(digit)
+            digit, span = None, 1
+        part = key if span == 1 else key * span
+        digit = part if digit is None else digit + part
+        span *= width
+    order = None
+    for d in [*digits, digit]:  # least significant first
+        d = (d if order is None else d[order]).astype(np.uint16)
+        step = np.argsort(d, kind="stable")
+        order = step if order is None else order[step]
+    return order
 
 
 def _cumsum_before_in_group(
@@ -84,13 +111,11 @@ def _cumsum_before_in_group(
     return before
 
 
-def _position(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """int64: the index in `keys` (distinct) of each value, or -1 if absent."""
-    if keys.size == 0:
-        return np.full(values.shape, -1, dtype=np.int64)
-    order = np.argsort(keys)
-    at = order[np.minimum(np.searchsorted(keys[order], values), keys.size - 1)]
-    return np.where(keys[at] == values, at, -1)
+def _segment_sum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """int64 [R]: the sum of `values` over each CSR segment of `indptr`."""
+    total = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=total[1:])
+    return total[indptr[1:]] - total[indptr[:-1]]
 
 
 def _check_csr(indptr: np.ndarray, n: int) -> None:
@@ -146,51 +171,65 @@ def plan_blocks(
 
     num_req = indptr.size - 1
     req = np.repeat(np.arange(num_req, dtype=np.int64), np.diff(indptr))
-    holes = np.bincount(req, weights=block_size - live, minlength=num_req)
-    k = (holes // block_size).astype(np.int64)
-    # Rank of each candidate inside its request, sparsest first.
-    cand = np.flatnonzero(live / block_size < threshold)
-    order = cand[np.lexsort((live[cand], req[cand]))]  # stable
-    o_req = req[order]
-    rank = _cumsum_before_in_group(o_req, np.ones_like(o_req), num_req)
-    is_src = np.zeros(ids.size, dtype=bool)
-    is_src[order[rank < k[o_req]]] = True
-    planned = np.bincount(req[is_src], minlength=num_req) > 0
-    if not planned.any():
+    k = (block_size * np.diff(indptr) - _segment_sum(live, indptr)) // block_size
+    # Candidates by request (req[cand] is sorted), sparsest first; the
+    # threshold as a live count (l / B < threshold exactly when l < lim).
+    lim = np.count_nonzero(np.arange(block_size + 1) / block_size < threshold)
+    cand = np.flatnonzero(live < lim)
+    c_req = req[cand]
+    order = cand[_lexsort(live[cand], c_req, widths=(block_size + 1, num_req))]
+    at = np.searchsorted(c_req, np.arange(num_req + 1))
+    n_src = np.minimum(k, np.diff(at))
+    if not n_src.any():
         return _empty_plan()
-    src = np.flatnonzero(is_src)
-    src = src[np.lexsort((live[src], req[src]))]
-    dst = np.flatnonzero(~is_src & planned[req] & (live < block_size))
-    prio = np.zeros_like(live) if dst_priority is None else np.asarray(dst_priority)
-    assert prio.shape == live.shape, (prio.shape, live.shape)
-    dst = dst[np.lexsort((block_size - live[dst], prio[dst], req[dst]))]
+    src = order[_ranges(at[:-1], n_src)]  # still sparsest first
+    # Destinations: the planned requests' other blocks with a hole.
+    hole = live < block_size
+    hole[src] = False
+    if not n_src.all():
+        hole &= (n_src > 0)[req]
+    dst = np.flatnonzero(hole)
+    if dst_priority is None:
+        widths = (block_size + 1, num_req)
+        dst = dst[_lexsort(block_size - live[dst], req[dst], widths=widths)]
+    else:
+        prio = np.asarray(dst_priority)
+        assert prio.shape == live.shape, (prio.shape, live.shape)
+        dst = dst[_lexsort(block_size - live[dst], prio[dst], req[dst])]
     fresh = np.zeros(num_req, dtype=np.int64)
-    return _plan(ids, live, req, planned, src, dst, fresh, block_size)
+    return _plan(ids, live, req, src, dst, fresh, block_size)
 
 
-def _plan(ids, live, req, planned, src, dst, fresh, block_size) -> BlockPlan:
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices [starts[i], starts[i] + lengths[i]) for every i, in order."""
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(lengths.sum())
+
+
+def _plan(ids, live, req, src, dst, fresh, block_size) -> BlockPlan:
     """The BlockPlan of entries `src` (sources, grouped by request) and `dst`
-    (destinations in order of preference): only as many destinations as the
-    moved tokens need; `fresh` [R] fresh blocks after them."""
-    num_req = planned.size
-    need = np.bincount(req[src], weights=live[src], minlength=num_req)
-    before = _cumsum_before_in_group(req[dst], block_size - live[dst], num_req)
-    dst = dst[before < need[req[dst]]]
-    req_index = np.flatnonzero(planned)
+    (destinations by request in order of preference): as many destinations
+    as the moved tokens need; `fresh` [R] fresh blocks after them."""
+    num_req = fresh.size
+    groups = np.arange(num_req + 1)
+    s_at = np.searchsorted(req[src], groups)
+    need = _segment_sum(live[src], s_at)
+    # A request's destinations are taken while the holes before them fall
+    # short of `need`: a prefix of its list, found on the running hole count.
+    d_at = np.searchsorted(req[dst], groups)
+    holes = np.r_[0, np.cumsum(block_size - live[dst])]
+    n_dst = np.searchsorted(holes, holes[d_at[:-1]] + need) - d_at[:-1]
+    n_dst = np.minimum(n_dst, np.diff(d_at))
+    req_index = np.flatnonzero(np.diff(s_at) > 0)
+    n_src, n_dst = np.diff(s_at)[req_index], n_dst[req_index]
     return BlockPlan(
         req_index=req_index,
-        src_indptr=_csr(req[src], req_index),
+        src_indptr=np.r_[0, np.cumsum(n_src)],
         src_block_ids=ids[src].astype(np.int32),
-        dst_indptr=_csr(req[dst], req_index),
-        dst_block_ids=ids[dst].astype(np.int32),
+        dst_indptr=np.r_[0, np.cumsum(n_dst)],
+        dst_block_ids=ids[dst[_ranges(d_at[req_index], n_dst)]].astype(np.int32),
         num_fresh=fresh[req_index],
     )
-
-
-def _csr(rows: np.ndarray, req_index: np.ndarray) -> np.ndarray:
-    """indptr over req_index of `rows` (request of each entry, sorted)."""
-    counts = np.bincount(rows, minlength=int(req_index[-1]) + 1)[req_index]
-    return np.r_[0, np.cumsum(counts)].astype(np.int64)
 
 
 def _empty_plan() -> BlockPlan:
@@ -258,12 +297,12 @@ def plan_around_cache(
 
     # Cached candidates, sparsest first per request; k = rank + 1 of each.
     cc = np.flatnonzero(cand & cached)
-    order = cc[np.lexsort((live[cc], req[cc]))]  # stable
+    order = cc[_lexsort(live[cc], req[cc])]  # stable
     o_req, o_live = req[order], live[order]
     rank = _cumsum_before_in_group(o_req, np.ones_like(o_req), num_req)
     m = _cumsum_before_in_group(o_req, o_live, num_req) + o_live
     g = gain(rank + 1, m, o_req)
-    top = np.lexsort((rank, -g, o_req))  # per request: best gain, then shortest
+    top = _lexsort(rank, -g, o_req)  # per request: best gain, then shortest
     if top.size:
         top = top[np.r_[True, np.diff(o_req[top]) != 0]]
     k_c, m_c = np.zeros(num_req, np.int64), np.zeros(num_req, np.int64)
@@ -275,7 +314,7 @@ def plan_around_cache(
     k_c = np.where(planned, k_c, 0)
     # Sources: the k_c sparsest cached and the k_u sparsest uncached candidates.
     uc = np.flatnonzero(cand & ~cached)
-    u_order = uc[np.lexsort((live[uc], req[uc]))]
+    u_order = uc[_lexsort(live[uc], req[uc])]
     u_rank = _cumsum_before_in_group(req[u_order], np.ones_like(u_order), num_req)
     is_src = np.zeros(ids.size, dtype=bool)
     is_src[order[rank < k_c[o_req]]] = True
@@ -283,61 +322,10 @@ def plan_around_cache(
     if not planned.any():
         return _empty_plan()
     src = np.flatnonzero(is_src)
-    src = src[np.lexsort((live[src], ~cached[src], req[src]))]  # cached first
+    src = src[_lexsort(live[src], ~cached[src], req[src])]  # cached first
     # Destinations: uncached non-sources with a hole, densest first, as many as
     # the moved tokens need; fresh blocks take what they cannot.
     dst = np.flatnonzero(~is_src & ~cached & planned[req] & (live < B))
-    dst = dst[np.lexsort((B - live[dst], req[dst]))]
+    dst = dst[_lexsort(B - live[dst], req[dst])]
     fresh = -(-np.maximum(m_c - holes_u, 0) // B)
-    return _plan(ids, live, req, planned, src, dst, fresh, B)
-
-
-def pack_request(
-    *,
-    live_idx: np.ndarray,
-    live_slots: np.ndarray,
-    src_block_ids: np.ndarray,
-    dst_block_ids: np.ndarray,
-    block_size: int,
-) -> Moves:
-    """Moves a request's live tokens out of its source blocks into holes.
-
-    The free slots of the destination blocks (those no live token of the
-    request holds: the blocks are the request's own) are taken block by block
-    in the given order, offsets ascending; tokens keep their logical order.
-
-    Args:
-        live_idx: int [n] logical indices of live tokens, ascending.
-        live_slots: int [n] their slots.
-        src_block_ids: int [S] blocks to empty.
-        dst_block_ids: int [D] blocks whose holes receive the tokens (fresh
-            blocks too), none of them a source.
-        block_size: Tokens per block.
-
-    Returns:
-        The moves, in logical order.
-
-    """
-    B = block_size
-    idx = np.asarray(live_idx, dtype=np.int64)
-    slots = np.asarray(live_slots, dtype=np.int64)
-    src_b = np.asarray(src_block_ids, dtype=np.int64)
-    dst_b = np.asarray(dst_block_ids, dtype=np.int64)
-    assert idx.ndim == 1 and idx.shape == slots.shape, (idx.shape, slots.shape)
-    assert not (_position(dst_b, src_b) >= 0).any(), "a destination is a source"
-    block, offset = slots // B, slots % B
-    sel = _position(block, src_b) >= 0
-    m = int(np.count_nonzero(sel))
-    # Occupancy of the destination blocks, one row per block in the given order.
-    row = _position(block, dst_b)
-    in_dst = row >= 0
-    occupied = np.zeros((dst_b.size, B), dtype=bool)
-    occupied[row[in_dst], offset[in_dst]] = True
-    free = np.flatnonzero(~occupied.ravel())
-    assert m <= free.size, f"{m} live tokens do not fit in {free.size} free slots"
-    free = free[:m]
-    return Moves(
-        idx=idx[sel],
-        src_slots=slots[sel],
-        dst_slots=dst_b[free // B] * B + free % B,
-    )
+    return _plan(ids, live, req, src, dst, fresh, B)

@@ -21,26 +21,29 @@ batch alone until then (`RequestState.move_detached`)::
     acknowledged        [b12, null, b9, b4]  b7, b3 freed with their hashes
 
 A block with a copy in flight (source or destination) is never freed or planned
-again until its batch is acknowledged (`_busy`).
+again until its batch is acknowledged (`_busy`). Freeing finds a block in its
+request's list through a block id -> position map (`_positions`), so it costs per
+freed block, not per block the request holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from itertools import chain, repeat
+from operator import attrgetter, is_not
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm.vtoken import integrity
 from vllm.vtoken.messages import MoveBatch
-from vllm.vtoken.planner import (
-    BlockPlan,
-    pack_request,
-    plan_around_cache,
-    plan_blocks,
-)
+from vllm.vtoken.packing import pack_requests
+from vllm.vtoken.planner import BlockPlan, plan_around_cache, plan_blocks
 from vllm.vtoken.request_state import NO_BLOCKS, RequestState
 
 _NEVER = 1 << 62  # a block count no request reaches
+# Attribute reads over lists of vLLM's block objects, looped in C (map).
+_ID, _REF, _HASH = (attrgetter(a) for a in ("block_id", "ref_cnt", "block_hash"))
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -73,6 +76,11 @@ class BlockReclaimer:
         self._inflight: dict[int, MoveBatch] = {}  # batch_id -> batch
         self._busy: dict[int, int] = {}  # block_id -> batch_id copying it
         self._next_batch_id = 0
+        # Per request, where its blocks are in its positional list. vLLM only
+        # appends to a running request's list and makes a new one when it
+        # resumes; this class makes every other change.
+        self._index: dict[str, _Positions] = {}
+        self._null_id = self.block_pool.null_block.block_id
 
     def positional(self, rid: str) -> list[KVCacheBlock]:
         return self.req_to_blocks[rid]
@@ -93,20 +101,47 @@ class BlockReclaimer:
         # Only blocks every token of which has been written: a block still
         # being filled (e.g. by a chunked recompute) may get live tokens yet.
         dead = dead[dead < self.pool.num_slotted(rid) // B * B]
-        slots = self.pool.slots(rid)[dead]
-        empty = {int(b) for b in np.unique(slots // B) if self.pool.block_live[b] == 0}
-        empty -= self._busy.keys()
-        if not empty:
-            return
-        self.release_blocks(rid, rec, self._held_blocks(rid, empty))
+        ids = np.unique(self.pool.slots(rid)[dead] // B)
+        ids = ids[self.pool.block_live[ids] == 0].tolist()
+        ids = [b for b in ids if b not in self._busy]
+        # Its own (unshared) ones, in list order.
+        held = map(self.positional(rid).__getitem__, self._find(rid, ids))
+        self.release_blocks(rid, rec, [b for b in held if b.ref_cnt == 1])
 
-    def _held_blocks(self, rid: str, ids: set[int]) -> list[KVCacheBlock]:
-        """The request's own (unshared) blocks among `ids`."""
-        return [
-            b
-            for b in self.positional(rid)
-            if b.block_id in ids and not b.is_null and b.ref_cnt == 1
-        ]
+    def _find(self, rid: str, ids: Iterable[int]) -> list[int]:
+        """Ascending indices, in the request's positional list, of the blocks
+        among `ids` it holds there (a displaced source is not there)."""
+        ids, positional = list(ids), self.positional(rid)
+        for rebuild in (False, True):
+            at = self._positions(rid, rebuild)
+            found = [(i, b) for b in ids if (i := at.get(b)) is not None]
+            if all(positional[i].block_id == b for i, b in found):
+                break  # else the list changed unseen: index it afresh
+        return sorted(i for i, _ in found)
+
+    def _positions(self, rid: str, rebuild: bool = False) -> dict[int, int]:
+        """block_id -> index in the request's positional list, for its non-null
+        entries, caught up with what vLLM appended since the last call."""
+        positional = self.positional(rid)
+        index = self._index.get(rid)
+        if rebuild or index is None or index.blocks is not positional:
+            if len(self._index) > 2 * len(self.req_to_blocks) + 16:
+                self._index = {  # drop finished requests' maps
+                    r: x
+                    for r, x in self._index.items()
+                    if self.req_to_blocks.get(r) is x.blocks
+                }
+            index = self._index[rid] = _Positions(positional)
+        if index.done != len(positional):
+            assert index.done < len(positional), "a positional list shrank"
+            new = range(index.done, len(positional))
+            index.at.update(zip(map(_ID, positional[index.done :]), new, strict=True))
+            index.at.pop(self._null_id, None)
+            index.done = len(positional)
+        if integrity.CHECK:
+            held = {b.block_id: i for i, b in enumerate(positional) if not b.is_null}
+            assert index.at == held, f"{rid}: block positions out of date"
+        return index.at
 
     def release_blocks(
         self, rid: str, rec: RequestState, blocks: list[KVCacheBlock]
@@ -114,13 +149,12 @@ class BlockReclaimer:
         """Null-replace `blocks` of `rid` in its block table, then free them."""
         if not blocks:
             return
-        ids = {b.block_id for b in blocks}
         positional = self.positional(rid)
         null = self.block_pool.null_block
-        for i, b in enumerate(positional):
-            if b.block_id in ids and not b.is_null:
-                positional[i] = null
-                rec.nulls += 1
+        for i in self._find(rid, (b.block_id for b in blocks)):
+            del self._index[rid].at[positional[i].block_id]
+            positional[i] = null
+            rec.nulls += 1
         self.block_pool.free_blocks(blocks)
         self.counters.reclaimed_blocks += len(blocks)
 
@@ -175,7 +209,7 @@ class BlockReclaimer:
         their hash chain first (docs/DESIGN.md §3.3).
         """
         B = self.block_size
-        rids, indptr, cand, pos, cached = [], [0], [], [], []
+        rids, lists = [], []
         for rid, rec in reqs.items():
             req = requests.get(rid)
             if rec.dead_since_plan < B or req is None or rid not in scheduled:
@@ -186,24 +220,29 @@ class BlockReclaimer:
                 self.counters.deferred_plans += 1
                 continue
             rec.dead_since_plan = 0
-            # Full blocks written before this step; the tail is being filled.
-            nfull = req.num_computed_tokens // B
-            for i, b in enumerate(self.positional(rid)[:nfull]):
-                if not b.is_null and b.ref_cnt == 1:
-                    cand.append(b.block_id)
-                    pos.append(i)
-                    cached.append(b.block_hash is not None)
             rids.append(rid)
-            indptr.append(len(cand))
-        if not cand:
+            # Full blocks written before this step; the tail is being filled.
+            lists.append(self.positional(rid)[: req.num_computed_tokens // B])
+        if not rids:
             return None
-        ids = np.asarray(cand, dtype=np.int32)
-        live, pos = self.pool.block_live[ids], np.asarray(pos, dtype=np.int64)
-        is_cached = np.asarray(cached, dtype=bool)
+        counts = np.fromiter(map(len, lists), np.int64, len(lists))
+        blocks = list(chain.from_iterable(lists))
+        ids = np.fromiter(map(_ID, blocks), np.int64, len(blocks))
+        live = self.pool.block_live[ids]
+        # Full blocks are neither sources nor destinations and add no holes:
+        # only the others' reference counts and hashes are read.
+        keep = np.flatnonzero((ids != self._null_id) & (live < B))
+        some = list(map(blocks.__getitem__, keep.tolist()))
+        ref = np.fromiter(map(_REF, some), np.int64, len(some))
+        keep = keep[ref == 1]  # shared blocks are never moved
+        some = list(map(blocks.__getitem__, keep.tolist()))
+        is_cached = np.fromiter(map(is_not, map(_HASH, some), repeat(None)), bool)
+        req = np.repeat(np.arange(len(rids)), counts)[keep]
+        pos = keep - (np.cumsum(counts) - counts)[req]
         common = dict(
-            req_indptr=np.asarray(indptr, dtype=np.int64),
-            block_ids=ids,
-            block_live=live,
+            req_indptr=np.r_[0, np.cumsum(np.bincount(req, minlength=len(rids)))],
+            block_ids=ids[keep].astype(np.int32),
+            block_live=live[keep],
             block_size=B,
             threshold=self.threshold,
         )
@@ -218,88 +257,93 @@ class BlockReclaimer:
                 self.counters.tight_plans += 1
         if plan is None:
             # Uncached holes first, then cached ones from the chain's end.
-            prio = np.where(is_cached, 1 + pos.max() - pos, 0)
+            prio = np.where(is_cached, 1 + pos.max(initial=0) - pos, 0)
             plan = plan_blocks(dst_priority=prio, **common)
         if len(plan.req_index) == 0:
             return None
-        position = dict(zip(ids.tolist(), pos.tolist(), strict=True))
-        return self._bind(plan, [reqs[rid] for rid in rids], rids, position)
+        return self._bind(plan, [reqs[rid] for rid in rids], rids)
 
     def _bind(
-        self,
-        plan: BlockPlan,
-        recs: list[RequestState],
-        rids: list[str],
-        position: dict[int, int],
+        self, plan: BlockPlan, recs: list[RequestState], rids: list[str]
     ) -> MoveBatch | None:
         """Turn a block plan into slot moves; free blocks that need none."""
         B = self.block_size
         by_id = self.block_pool.blocks
         batch_id = self._next_batch_id
         fresh = self.block_pool.get_new_blocks(int(plan.num_fresh.sum()))
-        at = np.r_[0, np.cumsum(plan.num_fresh)]
-        out_rids, indptr, idx, src, dst = [], [0], [], [], []
-        for k, r in enumerate(plan.req_index):
+        # The live tokens of every planned request at once (Token Table rows).
+        seg, idx, live, slot = self.pool.tokens(self.pool.rows(rids))
+        on = np.flatnonzero(live)
+        m = pack_requests(
+            plan,
+            live_indptr=np.r_[0, np.cumsum(np.bincount(seg[on], minlength=len(rids)))],
+            live_idx=idx[on],
+            live_slots=slot[on],
+            block_size=B,
+            num_blocks=self.pool.num_blocks,
+            fresh_block_ids=np.fromiter(map(_ID, fresh), np.int64, len(fresh)),
+        )
+        # Blocks written, per request (its moves fill them one after another).
+        blk = m.dst_slots // B
+        first = np.flatnonzero(np.r_[True, blk[1:] != blk[:-1]])
+        dst_blocks, dst_at = blk[first], np.searchsorted(first, m.indptr)
+        # A destination's content changes: it must leave the prefix cache
+        # (sources keep theirs intact, so a later hit on them stays valid).
+        self.block_pool.evict_blocks(set(dst_blocks.tolist()))
+        num_moves = np.diff(m.indptr).tolist()
+        at = np.r_[0, np.cumsum(plan.num_fresh)].tolist()
+        src_at, src_ids = plan.src_indptr.tolist(), plan.src_block_ids.tolist()
+        out_rids, busy = [], []
+        for k, r in enumerate(plan.req_index.tolist()):
             rid, rec = rids[r], recs[r]
-            src_ids = plan.src_block_ids[plan.src_indptr[k] : plan.src_indptr[k + 1]]
-            new = fresh[at[k] : at[k + 1]]
-            dst_ids = np.r_[
-                plan.dst_block_ids[plan.dst_indptr[k] : plan.dst_indptr[k + 1]],
-                [b.block_id for b in new],
-            ]
-            m = pack_request(
-                live_idx=self.pool.live_idx(rid),
-                live_slots=self.pool.live_slots(rid),
-                src_block_ids=src_ids,
-                dst_block_ids=dst_ids,
-                block_size=B,
-            )
-            src_blocks = [by_id[int(b)] for b in src_ids]
-            if m.idx.size == 0:  # every token already dead: free right away
+            ids = src_ids[src_at[k] : src_at[k + 1]]
+            src_blocks = [by_id[b] for b in ids]
+            if num_moves[k] == 0:  # every token already dead: free right away
                 self.release_blocks(rid, rec, src_blocks)
                 continue
-            dst_ids = np.unique(m.dst_slots // B)
-            # A destination's content changes: it must leave the prefix cache
-            # (sources keep theirs intact, so a later hit on them stays valid).
-            self.block_pool.evict_blocks(set(dst_ids.tolist()))
-            self._busy.update((int(b), batch_id) for b in src_ids)
-            self._busy.update((int(b), batch_id) for b in dst_ids)
-            rec.move_batch, rec.move_src, rec.move_dst = batch_id, src_blocks, dst_ids
+            rec.move_batch, rec.move_src = batch_id, src_blocks
+            rec.move_dst = dst_blocks[dst_at[k] : dst_at[k + 1]]
+            busy += ids
             # Cached sources come first in a plan around the cache.
+            new = fresh[at[k] : at[k + 1]]
             rec.move_detached = src_blocks[: len(new)]
-            self._swap_in(rid, new, rec.move_detached, position)
+            self._swap_in(rid, new, rec.move_detached)
             self.counters.evacuated_blocks += sum(
                 b.block_hash is not None for b in src_blocks
             )
             out_rids.append(rid)
-            idx.append(m.idx)
-            src.append(m.src_slots)
-            dst.append(m.dst_slots)
-            indptr.append(indptr[-1] + m.idx.size)
         if not out_rids:
             return None
+        self._busy.update(zip(busy + dst_blocks.tolist(), repeat(batch_id)))
+        n = np.diff(m.indptr)
         batch = MoveBatch(
             batch_id=batch_id,
             req_ids=out_rids,
-            indptr=np.asarray(indptr, dtype=np.int64),
-            idx=np.concatenate(idx),
-            src_slots=np.concatenate(src),
-            dst_slots=np.concatenate(dst),
+            indptr=np.r_[0, np.cumsum(n[n > 0])],
+            idx=m.idx,
+            src_slots=m.src_slots,
+            dst_slots=m.dst_slots,
         )
         self._inflight[batch_id] = batch
         self._next_batch_id += 1
         return batch
 
     def _swap_in(
-        self,
-        rid: str,
-        fresh: list[KVCacheBlock],
-        displaced: list[KVCacheBlock],
-        position: dict[int, int],
+        self, rid: str, fresh: list[KVCacheBlock], displaced: list[KVCacheBlock]
     ) -> None:
         """Put each fresh block where an evacuated source was in the positional
         list, so that vLLM frees it with the request; the displaced sources
         are then held by the batch alone (RequestState.move_detached)."""
-        positional = self.positional(rid)
+        positional, at = self.positional(rid), self._positions(rid)
         for new, old in zip(fresh, displaced, strict=True):
-            positional[position[old.block_id]] = new
+            i = at.pop(old.block_id)
+            positional[i], at[new.block_id] = new, i
+
+
+class _Positions:
+    """block_id -> index in a positional list, its non-null entries [0, done)."""
+
+    __slots__ = ("at", "blocks", "done")
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.blocks, self.at, self.done = blocks, {}, 0
