@@ -79,6 +79,28 @@ def test_contract_violations_raise_and_leave_state_unchanged():
     assert rt.pool.num_live("a") == 6 and rt.pool.block_live.sum() == 6
 
 
+def test_the_batch_path_checks_a_plug_ins_answer_too():
+    rt = make_runtime(Liar(2), budget=2)
+    for rid in "ab":
+        rt.sync_new_tokens(rid, np.arange(6) + (0 if rid == "a" else 6))
+    with pytest.raises(RuntimeError, match="broke its contract"):
+        rt.enforce_budgets(["a", "b"], np.array([6, 6]))
+    assert rt.pool.num_live("a") == rt.pool.num_live("b") == 6
+
+
+def test_the_batch_path_evicts_what_the_per_request_path_does():
+    one, batch = (make_runtime(Recorder(4), budget=4) for _ in range(2))
+    for rt in (one, batch):
+        for k, rid in enumerate("abc"):
+            rt.sync_new_tokens(rid, np.arange(10) + 10 * k)
+    want = {rid: one.enforce_budget(rid, 8).tolist() for rid in "abc"}
+    which, counts, idx = batch.enforce_budgets(list("abc"), np.array([8, 8, 8]))
+    runs = np.split(idx, np.cumsum(counts)[:-1])
+    got = dict(zip(["abc"[i] for i in which], runs, strict=True))
+    assert {r: v.tolist() for r, v in got.items()} == want
+    batch.pool.check_integrity()
+
+
 def test_score_policies_read_scores_of_live_tokens():
     seen = {}
 
