@@ -8,7 +8,7 @@ tokens of under-used blocks into fewer blocks so the emptied blocks go back to
 vLLM's block pool.
 
 Scheduler side: token_table, policies, eviction, planner, packing,
-                request_state, reclaimer, scheduler.
+                request_state, block_index, reclaimer, scheduler.
 Worker side:    copy_executor, kv_copy_triton, cpu_attention, triton_attention,
                 score_kernel, score_triton, context, scores, worker.
 Both:           config, messages, stats, metrics, integrity.

@@ -21,29 +21,30 @@ batch alone until then (`RequestState.move_detached`)::
     acknowledged        [b12, null, b9, b4]  b7, b3 freed with their hashes
 
 A block with a copy in flight (source or destination) is never freed or planned
-again until its batch is acknowledged (`_busy`). Freeing finds a block in its
-request's list through a block id -> position map (`_positions`), so it costs per
-freed block, not per block the request holds.
+again until its batch is acknowledged (`_busy`). Blocks are found in their
+request's list, and its ids read, through `BlockIndex` (block_index.py): no
+pass over a request's list in Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from itertools import chain, repeat
-from operator import attrgetter, is_not
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm.vtoken import integrity
+from vllm.vtoken.arena import ranges
+from vllm.vtoken.block_index import BlockIndex
 from vllm.vtoken.messages import MoveBatch
 from vllm.vtoken.packing import pack_requests
 from vllm.vtoken.planner import BlockPlan, plan_around_cache, plan_blocks
 from vllm.vtoken.request_state import NO_BLOCKS, RequestState
 
 _NEVER = 1 << 62  # a block count no request reaches
-# Attribute reads over lists of vLLM's block objects, looped in C (map).
-_ID, _REF, _HASH = (attrgetter(a) for a in ("block_id", "ref_cnt", "block_hash"))
+_ID = attrgetter("block_id")
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -76,11 +77,10 @@ class BlockReclaimer:
         self._inflight: dict[int, MoveBatch] = {}  # batch_id -> batch
         self._busy: dict[int, int] = {}  # block_id -> batch_id copying it
         self._next_batch_id = 0
-        # Per request, where its blocks are in its positional list. vLLM only
-        # appends to a running request's list and makes a new one when it
-        # resumes; this class makes every other change.
-        self._index: dict[str, _Positions] = {}
         self._null_id = self.block_pool.null_block.block_id
+        self.blocks = BlockIndex(self.req_to_blocks, self._null_id)
+        # Without prefix caching no block is ever cached, nor shared.
+        self._caching = kv_cache_manager.enable_caching
 
     def positional(self, rid: str) -> list[KVCacheBlock]:
         return self.req_to_blocks[rid]
@@ -93,6 +93,8 @@ class BlockReclaimer:
         count ends it; the blocks cached before its first eviction stay valid.
         """
         if rid in self._num_cached_block:  # the running-request marker stays
+            if self._num_cached_block[rid] != _NEVER:
+                self.blocks.stop_caching(rid, self._num_cached_block[rid])
             self._num_cached_block[rid] = _NEVER
 
     def free_empty_blocks(self, rid: str, rec: RequestState, dead: np.ndarray) -> None:
@@ -105,43 +107,8 @@ class BlockReclaimer:
         ids = ids[self.pool.block_live[ids] == 0].tolist()
         ids = [b for b in ids if b not in self._busy]
         # Its own (unshared) ones, in list order.
-        held = map(self.positional(rid).__getitem__, self._find(rid, ids))
+        held = map(self.positional(rid).__getitem__, self.blocks.find(rid, ids))
         self.release_blocks(rid, rec, [b for b in held if b.ref_cnt == 1])
-
-    def _find(self, rid: str, ids: Iterable[int]) -> list[int]:
-        """Ascending indices, in the request's positional list, of the blocks
-        among `ids` it holds there (a displaced source is not there)."""
-        ids, positional = list(ids), self.positional(rid)
-        for rebuild in (False, True):
-            at = self._positions(rid, rebuild)
-            found = [(i, b) for b in ids if (i := at.get(b)) is not None]
-            if all(positional[i].block_id == b for i, b in found):
-                break  # else the list changed unseen: index it afresh
-        return sorted(i for i, _ in found)
-
-    def _positions(self, rid: str, rebuild: bool = False) -> dict[int, int]:
-        """block_id -> index in the request's positional list, for its non-null
-        entries, caught up with what vLLM appended since the last call."""
-        positional = self.positional(rid)
-        index = self._index.get(rid)
-        if rebuild or index is None or index.blocks is not positional:
-            if len(self._index) > 2 * len(self.req_to_blocks) + 16:
-                self._index = {  # drop finished requests' maps
-                    r: x
-                    for r, x in self._index.items()
-                    if self.req_to_blocks.get(r) is x.blocks
-                }
-            index = self._index[rid] = _Positions(positional)
-        if index.done != len(positional):
-            assert index.done < len(positional), "a positional list shrank"
-            new = range(index.done, len(positional))
-            index.at.update(zip(map(_ID, positional[index.done :]), new, strict=True))
-            index.at.pop(self._null_id, None)
-            index.done = len(positional)
-        if integrity.CHECK:
-            held = {b.block_id: i for i, b in enumerate(positional) if not b.is_null}
-            assert index.at == held, f"{rid}: block positions out of date"
-        return index.at
 
     def release_blocks(
         self, rid: str, rec: RequestState, blocks: list[KVCacheBlock]
@@ -149,11 +116,9 @@ class BlockReclaimer:
         """Null-replace `blocks` of `rid` in its block table, then free them."""
         if not blocks:
             return
-        positional = self.positional(rid)
         null = self.block_pool.null_block
-        for i in self._find(rid, (b.block_id for b in blocks)):
-            del self._index[rid].at[positional[i].block_id]
-            positional[i] = null
+        for i in self.blocks.find(rid, (b.block_id for b in blocks)):
+            self.blocks.replace(rid, i, null)
             rec.nulls += 1
         self.block_pool.free_blocks(blocks)
         self.counters.reclaimed_blocks += len(blocks)
@@ -209,7 +174,7 @@ class BlockReclaimer:
         their hash chain first (docs/DESIGN.md §3.3).
         """
         B = self.block_size
-        rids, lists = [], []
+        rids, ids, heads = [], [], []
         for rid, rec in reqs.items():
             req = requests.get(rid)
             if rec.dead_since_plan < B or req is None or rid not in scheduled:
@@ -222,21 +187,35 @@ class BlockReclaimer:
             rec.dead_since_plan = 0
             rids.append(rid)
             # Full blocks written before this step; the tail is being filled.
-            lists.append(self.positional(rid)[: req.num_computed_tokens // B])
+            index, nfull = self.blocks.get(rid), req.num_computed_tokens // B
+            ids.append(index.ids[:nfull])
+            # The blocks vLLM may have cached (and so shared) are read one by
+            # one: a block's reference count and hash live on its object.
+            upto = nfull if index.cached_upto is None else index.cached_upto
+            upto = upto if self._caching else 0
+            heads.append(self.positional(rid)[: min(upto, nfull)])
         if not rids:
             return None
-        counts = np.fromiter(map(len, lists), np.int64, len(lists))
-        blocks = list(chain.from_iterable(lists))
-        ids = np.fromiter(map(_ID, blocks), np.int64, len(blocks))
+        counts = np.fromiter(map(len, ids), np.int64, len(ids))
+        ids = np.concatenate(ids)
+        head = list(chain.from_iterable(heads))
+        code = np.fromiter(
+            [b.ref_cnt * 2 + (b.block_hash is not None) for b in head], np.int64
+        )
+        at = ranges(np.cumsum(counts) - counts, list(map(len, heads)))
+        shared, cached = np.zeros(ids.size, bool), np.zeros(ids.size, bool)
+        shared[at], cached[at] = code >> 1 != 1, code & 1
+        if integrity.CHECK:  # past cached_upto: neither shared nor cached
+            for rid, h, n in zip(rids, heads, counts.tolist(), strict=True):
+                rest = self.positional(rid)[len(h) : n]
+                assert all(
+                    b.is_null or (b.ref_cnt == 1 and b.block_hash is None) for b in rest
+                ), f"{rid}: a block past cached_upto is shared or cached"
+        # Full blocks are neither sources nor destinations and add no holes;
+        # shared ones are never moved.
         live = self.pool.block_live[ids]
-        # Full blocks are neither sources nor destinations and add no holes:
-        # only the others' reference counts and hashes are read.
-        keep = np.flatnonzero((ids != self._null_id) & (live < B))
-        some = list(map(blocks.__getitem__, keep.tolist()))
-        ref = np.fromiter(map(_REF, some), np.int64, len(some))
-        keep = keep[ref == 1]  # shared blocks are never moved
-        some = list(map(blocks.__getitem__, keep.tolist()))
-        is_cached = np.fromiter(map(is_not, map(_HASH, some), repeat(None)), bool)
+        keep = np.flatnonzero((ids != self._null_id) & ~shared & (live < B))
+        is_cached = cached[keep]
         req = np.repeat(np.arange(len(rids)), counts)[keep]
         pos = keep - (np.cumsum(counts) - counts)[req]
         common = dict(
@@ -334,16 +313,6 @@ class BlockReclaimer:
         """Put each fresh block where an evacuated source was in the positional
         list, so that vLLM frees it with the request; the displaced sources
         are then held by the batch alone (RequestState.move_detached)."""
-        positional, at = self.positional(rid), self._positions(rid)
         for new, old in zip(fresh, displaced, strict=True):
-            i = at.pop(old.block_id)
-            positional[i], at[new.block_id] = new, i
-
-
-class _Positions:
-    """block_id -> index in a positional list, its non-null entries [0, done)."""
-
-    __slots__ = ("at", "blocks", "done")
-
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self.blocks, self.at, self.done = blocks, {}, 0
+            (i,) = self.blocks.find(rid, [old.block_id])
+            self.blocks.replace(rid, i, new)

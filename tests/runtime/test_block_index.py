@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+"""BlockIndex: block id -> entry of vLLM's positional lists, and the ids by
+entry, kept without a pass over a list."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.vtoken import integrity
+from vllm.vtoken.block_index import BlockIndex
+
+NULL = SimpleNamespace(block_id=0, is_null=True)
+
+
+def block(i: int) -> SimpleNamespace:
+    return SimpleNamespace(block_id=i, is_null=False)
+
+
+def test_follows_appends_replacements_and_a_new_list():
+    lists = {"a": [block(7), block(3)]}
+    index = BlockIndex(lists, null_id=0)
+    assert index.get("a").ids.tolist() == [7, 3]
+    lists["a"] += [block(9), block(4)]  # vLLM appends
+    assert index.find("a", [4, 7, 5]) == [0, 3]
+    index.replace("a", 1, NULL)  # freed
+    index.replace("a", 0, block(12))  # a fresh block takes an evacuated one's place
+    assert [b.block_id for b in lists["a"]] == [12, 0, 9, 4]
+    assert index.get("a").ids.tolist() == [12, 0, 9, 4]
+    assert index.find("a", [3, 7, 12]) == [0]
+    index.stop_caching("a", 2)
+    index.stop_caching("a", 3)  # the first count stays
+    assert index.get("a").cached_upto == 2
+    lists["a"] = [block(5)]  # preempted and resumed: vLLM's new list
+    assert index.get("a").ids.tolist() == [5] and index.get("a").cached_upto is None
+    with pytest.raises(AssertionError, match="shrank"):
+        lists["a"].pop()
+        index.get("a")
+
+
+def test_a_list_changed_unseen_is_indexed_afresh(monkeypatch):
+    monkeypatch.setattr(integrity, "CHECK", False)  # it would name the change
+    lists = {"a": [block(7), block(3), block(9)]}
+    index = BlockIndex(lists, null_id=0)
+    index.stop_caching("a", 1)
+    lists["a"][0], lists["a"][2] = lists["a"][2], lists["a"][0]
+    assert index.find("a", [7]) == [2]
+    assert index.get("a").ids.tolist() == [9, 3, 7]
+    assert index.get("a").cached_upto == 1  # same list: still known
+    monkeypatch.setattr(integrity, "CHECK", True)
+    lists["a"][1] = block(8)
+    with pytest.raises(AssertionError, match="out of date"):
+        index.get("a")
+
+
+def test_finished_requests_indexes_are_dropped():
+    lists = {f"r{i}": [block(i + 1)] for i in range(40)}
+    index = BlockIndex(lists, null_id=0)
+    for rid in list(lists):
+        index.get(rid)
+    for i in range(30):
+        del lists[f"r{i}"]  # vLLM freed them
+    lists["new"] = [block(99)]
+    index.get("new")
+    assert len(index._index) <= 2 * len(lists) + 16
+    assert index.find("r35", [36]) == [0]

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where each request's blocks are in vLLM's positional list, without scans.
+
+Scheduler side, for reclaimer.py. vLLM keeps a request's blocks as a Python
+list of block objects (`req_to_blocks[rid]`, token i in entry i // B); finding
+a block in it, or reading every entry's id, is a pass over the list in Python.
+`BlockIndex` keeps, per list, the ids by entry (a NumPy mirror) and the entry
+of each non-null block id (a dict), so freeing costs per freed block and the
+planner reads ids with NumPy::
+
+    req_to_blocks[rid]  [b7, b3, null, b4]      (vLLM's objects)
+    ids                 [ 7,  3,    0,  4]      null is block 0
+    at                  {7: 0, 3: 1, 4: 3}
+
+vLLM only appends to a running request's list (the index catches up with the
+new tail when next asked) and makes a new list when a preempted request
+resumes (a new index); every other change goes through `replace`. A lookup
+that finds another block where the index says is answered from a new index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm.vtoken import integrity
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+_ID = attrgetter("block_id")
+
+
+class Positions:
+    """One list's index: `ids` [n] by entry, `at` block id -> entry (non-null),
+    both for the entries [0, n) seen. `cached_upto`: vLLM caches no entry at
+    or past it (and so shares none, sharing goes through the cache), or None
+    while unknown."""
+
+    __slots__ = ("at", "blocks", "cached_upto", "ids")
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.blocks, self.at = blocks, {}
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.cached_upto: int | None = None
+
+
+class BlockIndex:
+    def __init__(self, req_to_blocks: dict[str, list], null_id: int) -> None:
+        self._lists = req_to_blocks  # vLLM's, read only
+        self._null_id = null_id
+        self._index: dict[str, Positions] = {}
+
+    def get(self, rid: str, fresh: bool = False) -> Positions:
+        """The index of `rid`'s current list, caught up with vLLM's appends."""
+        blocks = self._lists[rid]
+        index = self._index.get(rid)
+        if fresh or index is None or index.blocks is not blocks:
+            if len(self._index) > 2 * len(self._lists) + 16:
+                self._index = {  # drop finished requests' indexes
+                    r: x
+                    for r, x in self._index.items()
+                    if self._lists.get(r) is x.blocks
+                }
+            old, index = index, Positions(blocks)
+            if old is not None and old.blocks is blocks:
+                index.cached_upto = old.cached_upto
+            self._index[rid] = index
+        done = index.ids.size
+        if done != len(blocks):
+            assert done < len(blocks), f"{rid}: a positional list shrank"
+            new = np.fromiter(map(_ID, blocks[done:]), np.int64, len(blocks) - done)
+            index.ids = np.concatenate([index.ids, new])
+            index.at.update(zip(new.tolist(), range(done, len(blocks)), strict=True))
+            index.at.pop(self._null_id, None)
+        if integrity.CHECK:
+            ids = [b.block_id for b in blocks]
+            assert index.ids.tolist() == ids, f"{rid}: block ids out of date"
+            held = {b: i for i, b in enumerate(ids) if b != self._null_id}
+            assert index.at == held, f"{rid}: block entries out of date"
+        return index
+
+    def find(self, rid: str, ids: Iterable[int]) -> list[int]:
+        """Ascending entries of `rid`'s list holding blocks among `ids` (a
+        block it does not hold, such as a displaced source, has none)."""
+        ids, blocks = list(ids), self._lists[rid]
+        for fresh in (False, True):
+            at = self.get(rid, fresh).at
+            found = [(i, b) for b in ids if (i := at.get(b)) is not None]
+            if all(blocks[i].block_id == b for i, b in found):
+                break  # else the list changed unseen: index it afresh
+        return sorted(i for i, _ in found)
+
+    def replace(self, rid: str, entry: int, block: KVCacheBlock) -> None:
+        """Entry `entry` of `rid`'s list becomes `block` (null or fresh)."""
+        index, blocks = self.get(rid), self._lists[rid]
+        del index.at[blocks[entry].block_id]
+        blocks[entry] = block
+        index.ids[entry] = block.block_id
+        if block.block_id != self._null_id:
+            index.at[block.block_id] = entry
+
+    def stop_caching(self, rid: str, num_cached: int) -> None:
+        """vLLM will cache no more of `rid`'s current list: `num_cached`
+        entries (its `num_cached_block`) are all it may have cached."""
+        index = self.get(rid)
+        if index.cached_upto is None:
+            index.cached_upto = num_cached
