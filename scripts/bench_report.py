@@ -194,22 +194,22 @@ def planner_section(d: dict, img: str = "") -> list[str]:
     out = [
         "## Planner cost",
         "",
-        "`python scripts/bench_planner.py` — `plan_blocks` + `pack_request` per "
+        "`python scripts/bench_planner.py` — `plan_blocks` + `pack_requests` per "
         f"step, worst case (every request planned), median of {d['meta']['repeats']}, "
-        f"threshold {d['meta']['threshold']}.",
+        f"threshold {d['meta']['threshold']}; before: `pack_request` per request.",
         "",
         "| blocks | requests | moved tokens | plan µs | pack µs | step µs "
-        "| µs per 1,000 blocks |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| µs per 1,000 blocks | before: step µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in d["rows"]:
+        old = d.get("before", {}).get(f"{row['blocks']}x{row['requests']}")
         out.append(
             f"| {row['blocks']:,} | {row['requests']:,} | {row['moved_tokens']:,} "
             f"| {row['plan_us']:.0f} | {row['pack_us']:.0f} | {row['step_us']:.0f} "
-            f"| {row['us_per_1k_blocks']:.0f} |"
+            f"| {row['us_per_1k_blocks']:.0f} | {'' if old is None else f'{old:.0f}'} |"
         )
-    out.append("")
-    return out
+    return out + [""]
 
 
 def prefix_section(d: dict, img: str) -> list[str]:

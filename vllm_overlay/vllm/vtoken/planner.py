@@ -174,7 +174,7 @@ def plan_blocks(
     k = (block_size * np.diff(indptr) - _segment_sum(live, indptr)) // block_size
     # Candidates by request (req[cand] is sorted), sparsest first; the
     # threshold as a live count (l / B < threshold exactly when l < lim).
-    lim = np.count_nonzero(np.arange(block_size + 1) / block_size < threshold)
+    lim = sum(n / block_size < threshold for n in range(block_size + 1))
     cand = np.flatnonzero(live < lim)
     c_req = req[cand]
     order = cand[_lexsort(live[cand], c_req, widths=(block_size + 1, num_req))]
