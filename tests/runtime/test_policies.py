@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.vtoken.eviction import request_rng
 from vllm.vtoken.policies import POLICIES, RequestView, create_policy
 from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.seeding import request_rng
 
 POLICY_DIR = (
     pathlib.Path(__file__).resolve().parents[2] / "vllm_overlay/vllm/vtoken/policies"

@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm.vtoken.eviction import EvictionRuntime, request_rng
+from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.policies import POLICIES, RequestView, create_policy
 from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.seeding import request_rng
 from vllm.vtoken.token_table import TokenTablePool
 
 

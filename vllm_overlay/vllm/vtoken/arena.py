@@ -24,6 +24,16 @@ from operator import itemgetter
 import numpy as np
 
 
+def as_index(values: np.ndarray | list[int], what: str) -> np.ndarray:
+    """`values` as a 1-D int64 array; asserts it holds integers."""
+    arr = np.asarray(values)
+    assert arr.ndim == 1, f"{what} must be 1-D, got shape {arr.shape}"
+    assert arr.size == 0 or np.issubdtype(arr.dtype, np.integer), (
+        f"{what} must hold integers, got dtype {arr.dtype}"
+    )
+    return arr.astype(np.int64, copy=False)
+
+
 def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """int64: the concatenation of [starts[i], starts[i] + counts[i])."""
     counts = np.asarray(counts, np.int64)

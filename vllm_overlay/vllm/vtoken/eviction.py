@@ -12,7 +12,6 @@ Python's hash randomization.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,17 +21,18 @@ import numpy as np
 from vllm.vtoken import integrity
 from vllm.vtoken.arena import lookup, ranges
 from vllm.vtoken.policies import create_policy
-from vllm.vtoken.policies.base import BatchView, EvictionPolicy, RequestView
+from vllm.vtoken.policies.base import (
+    BatchView,
+    EvictionPolicy,
+    RequestView,
+    check_answers,
+    is_builtin,
+)
+from vllm.vtoken.seeding import request_rng
 from vllm.vtoken.token_table import TokenTablePool
 
 if TYPE_CHECKING:
     from vllm.vtoken.request_args import RequestEviction
-
-
-def request_rng(seed: int, key: bytes) -> np.random.Generator:
-    """The per-request generator: same (seed, key), same draws."""
-    digest = np.frombuffer(hashlib.sha256(key).digest()[:16], dtype=np.uint32)
-    return np.random.default_rng([int(seed), *digest.tolist()])
 
 
 @dataclass(slots=True)
@@ -244,8 +244,8 @@ class EvictionRuntime:
         cseg = np.repeat(np.arange(counts.size), counts)
         # A plug-in's answer is checked always, the built-ins' (tested against
         # the per-request reference) under VTOKEN_CHECK_INTEGRITY=1.
-        if integrity.CHECK or not type(policy).__module__.startswith(_BUILTIN):
-            _check_answers(policy, ids, seg, idx, evictable, excess, counts, chosen)
+        if integrity.CHECK or not is_builtin(policy):
+            check_answers(policy, ids, seg, idx, evictable, excess, counts, chosen)
         order = np.lexsort((chosen, cseg))
         chosen = chosen[order]
         self.pool.evict_rows(rows, np.r_[0, np.cumsum(counts)], chosen)
@@ -339,29 +339,6 @@ class EvictionRuntime:
                 f"policy {policy.name} broke its contract on {view.req_id!r}: "
                 f"wanted {expected} distinct evictable tokens, got {chosen[:16]}"
             )
-
-
-_BUILTIN = "vllm.vtoken.policies."
-
-
-def _check_answers(policy, ids, seg, idx, evictable, excess, counts, chosen) -> None:
-    """The contract, all requests at once: the right count each, distinct,
-    evictable tokens of the request's own; else a RuntimeError."""
-    want = np.minimum(excess, np.bincount(seg[evictable], minlength=len(ids)))
-    ok = counts.size == len(ids) and (counts == want).all()
-    ok = ok and chosen.size == counts.sum()
-    if ok and chosen.size:
-        cseg = np.repeat(np.arange(len(ids)), counts)
-        width = int(max(idx.max(), chosen.max())) + 1
-        key, ckey = seg * width + idx, cseg * width + chosen
-        at = np.minimum(np.searchsorted(key, ckey), key.size - 1)
-        ok = (key[at] == ckey).all() and evictable[at].all()
-        ok = ok and np.unique(ckey).size == ckey.size
-    if not ok:
-        raise RuntimeError(
-            f"policy {policy.name} broke its contract on {ids[:4]}...: wanted "
-            f"{want[:8].tolist()} distinct evictable tokens, got {counts[:8]}"
-        )
 
 
 def _syncs(policy: EvictionPolicy) -> bool:

@@ -10,12 +10,11 @@ a block in the middle of a request (sliding window's `remove_skipped_blocks`):
                                                      live tokens moved into holes
                                                      of b7 and b4
 
-Compaction is in place (see planner.py): live tokens move into the request's own
-dead slots, so block tables stay positional and append-only for vLLM, and a
-plan never takes a block from the pool, except to keep prefix-cached blocks
-servable: those are evacuated into fresh blocks while the pool has them spare.
+Compaction is in place (planner.py): live tokens move into the request's own
+dead slots, so block tables stay positional and append-only for vLLM; only
+prefix-cached blocks are evacuated, into fresh blocks the pool can spare.
 
-Per step (all in the scheduler process, before the worker runs):
+Per step, for the whole batch at once (docs/DESIGN.md §7.1):
   begin_step   policies evict over budget; blocks left with no live token are
                freed at once (that alone is the paper's Naive-Evict);
   end_step     the step's new tokens get their slots; in vtoken mode the planner
@@ -29,21 +28,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from operator import attrgetter, getitem
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from vllm.vtoken import integrity
 from vllm.vtoken.arena import segments
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
+from vllm.vtoken.integrity import check_blocks
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.reclaimer import BlockReclaimer
 from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.request_state import RequestState
-from vllm.vtoken.stats import VTokenCounters, VTokenStats, timed
+from vllm.vtoken.seeding import prompt_key
+from vllm.vtoken.stats import VTokenCounters, VTokenStats, stats_of, timed
 from vllm.vtoken.token_table import TokenTablePool
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class VTokenScheduler:
             (r.num_computed_tokens for r in reqs), np.int64, len(reqs)
         )
         which, counts, idx = self.runtime.enforce_budgets(rids, attended)
-        for rid in self._caching.intersection(rids):
+        for rid in self._caching.intersection(rids) if self._caching else ():
             if self.pool.has_dead(rid):
                 self.reclaimer.stop_caching(rid)
                 self._caching.discard(rid)
@@ -223,12 +224,10 @@ class VTokenScheduler:
     def on_preempt(self, req: Request) -> None:
         """Before vLLM frees a preempted request's blocks.
 
-        What goes: the slots (every block is freed next) and with them the
-        scores (the worker resets a slot's score when a token takes it), the
-        in-flight moves, the freed-block count. What stays: the logical dead
-        set (in the Token Table; the resume skips those tokens), this step's
-        dead list (the worker's table must learn it too) and the count since
-        the last plan.
+        Goes: the slots (every block is freed next), the scores (they restart
+        with the slots), in-flight moves, the freed-block count. Stays: the
+        logical dead set, this step's dead list (the worker must learn it
+        too) and the count since the last plan.
         """
         rec = self._reqs.get(req.request_id)
         if rec is None:
@@ -266,24 +265,25 @@ class VTokenScheduler:
         B, pool = self.block_size, self.pool
         rids = list(scheduled)
         reqs = [self._requests[r] for r in rids]
-        upto = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
+        upto = np.fromiter(map(_COMPUTED, reqs), np.int64, len(reqs))
         upto += np.fromiter(scheduled.values(), np.int64, len(rids))
-        for req in (r for r in reqs if r.request_id not in self._reqs):
-            self._register(req)
+        for rid in set(rids).difference(self._reqs):  # first sight
+            self._register(self._requests[rid])
         rows = pool.rows(rids)
         start = pool.num_slotted_rows(rows)
         for i in np.flatnonzero((start < pool.num_tokens_rows(rows)) & (upto > start)):
             self._recompute_dead(rids[i], int(start[i]), int(upto[i]))
-        grow = np.flatnonzero(upto > start)
-        if not grow.size:
-            return
-        rids = [rids[i] for i in grow]
-        start, upto = start[grow], upto[grow]
+        grow = upto > start
+        if not grow.all():
+            if not grow.any():
+                return
+            rids = [r for r, g in zip(rids, grow.tolist(), strict=True) if g]
+            start, upto = start[grow], upto[grow]
         # Each request's blocks [first, last], as one flat list of block ids.
         first, last = start // B, (upto - 1) // B
         blocks = [self.reclaimer.req_to_blocks[r] for r in rids]
         if (first == last).all():  # decode: one block each
-            ids = [b[f].block_id for b, f in zip(blocks, first.tolist(), strict=True)]
+            ids = list(map(_BLOCK_ID, map(getitem, blocks, first.tolist())))
         else:
             spans = zip(blocks, first.tolist(), (last + 1).tolist(), strict=True)
             ids = [x.block_id for b, f, e in spans for x in b[f:e]]
@@ -305,7 +305,7 @@ class VTokenScheduler:
             block_size=self.block_size,
             max_model_len=self._max_model_len,
         )
-        self.runtime.register(rid, _prompt_key(req), evict)
+        self.runtime.register(rid, prompt_key(req), evict)
 
     def _recompute_dead(self, rid: str, start: int, upto: int) -> None:
         # Resumed after preemption: dead tokens in [start, upto) get
@@ -324,71 +324,27 @@ class VTokenScheduler:
     # ------------------------------------------------------------ metrics
     def make_stats(self, running: Iterable[Request]) -> VTokenStats:
         """Gauges over running requests, counters since the last call."""
-        B = self.block_size
-        held = written = live = 0
-        for req in running:
-            rec = self._reqs.get(req.request_id)
-            positional = self.reclaimer.req_to_blocks.get(req.request_id)
-            if not positional or rec is None:
-                continue
-            nulls = rec.nulls
-            held += len(positional) - nulls
-            # Compaction moves tokens into written slots only (holes), so the
-            # written slots are the positional ones minus the freed blocks.
-            written += min(req.num_computed_tokens, len(positional) * B) - nulls * B
-            live += self.pool.num_live(req.request_id)
+        reqs = [r for r in running if r.request_id in self._reqs]
+        rids = [r.request_id for r in reqs]
+        positional = [self.reclaimer.req_to_blocks.get(r, ()) for r in rids]
         delta = self.counters.minus(self._last_counters)
         self._last_counters = self.counters.copy()
-        slots = held * B
-        return VTokenStats(
-            token_utilization=live / slots if slots else 0.0,
-            intra_block_waste=(written - live) / slots if slots else 0.0,
-            retained_blocks=held,
-            live_tokens=live,
-            evicted_tokens=delta.evicted_tokens,
-            reclaimed_blocks=delta.reclaimed_blocks,
-            moved_tokens=delta.moved_tokens,
-            deferred_plans=delta.deferred_plans,
-            copy_bytes=delta.copy_bytes,
+        return stats_of(
+            self.block_size,
+            np.fromiter(map(len, positional), np.int64, len(rids)),
+            np.fromiter((self._reqs[r].nulls for r in rids), np.int64, len(rids)),
+            np.fromiter(map(_COMPUTED, reqs), np.int64, len(rids)),
+            self.pool.num_live_rows(self.pool.rows(rids)),
+            delta,
         )
 
     # ------------------------------------------------------------ invariants
     def check_integrity(self) -> None:
         """docs/DESIGN.md §4, across the Token Tables and vLLM's block pool."""
-        ref = np.fromiter((b.ref_cnt for b in self.block_pool.blocks), dtype=np.int64)
-        self.pool.check_integrity(block_ref_cnt=ref)
-        B = self.block_size
-        holders = np.zeros_like(ref)
-        for rid, blocks in self.reclaimer.req_to_blocks.items():
-            ids = [b.block_id for b in blocks if not b.is_null]
-            rec = self._reqs.get(rid)
-            if rec is not None:  # evacuated sources, held until acked
-                ids += [b.block_id for b in rec.move_detached]
-            np.add.at(holders, np.asarray(ids, dtype=np.int64), 1)
-            if rid in self.pool:
-                held = np.zeros(len(ref), dtype=bool)
-                held[ids] = True
-                live_blocks = self.pool.live_slots(rid) // B
-                assert held[live_blocks].all(), (
-                    f"request {rid}: a live token sits in a block it does not hold"
-                )
-        holders[0] = ref[0]  # the null block's ref_cnt is not maintained
-        assert (holders == ref).all(), (
-            "block ref counts differ from the holders: "
-            f"{np.flatnonzero(holders != ref)[:8].tolist()}"
-        )
-        free = self.block_pool.get_num_free_blocks()
-        assert free + int((ref[1:] > 0).sum()) == len(ref) - 1, (
-            f"free ({free}) + held != total ({len(ref) - 1})"
+        check_blocks(
+            self.pool, self.block_pool, self.reclaimer.req_to_blocks, self._reqs
         )
 
 
-def _prompt_key(req: Request) -> bytes:
-    """What seeds a request's generator: same prompt and seed, same random
-    draws, whatever the request id (engine ids carry a random suffix)."""
-    if req.prompt_token_ids is not None:
-        return np.asarray(req.prompt_token_ids, np.int64).tobytes()
-    if req.prompt_embeds is not None:  # --enable-prompt-embeds: no token ids
-        embeds = req.prompt_embeds.detach().cpu().contiguous()
-        return embeds.view(-1).view(torch.uint8).numpy().tobytes()
-    return req.request_id.encode()
+_COMPUTED = attrgetter("num_computed_tokens")
+_BLOCK_ID = attrgetter("block_id")

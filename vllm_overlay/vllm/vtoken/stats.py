@@ -13,6 +13,8 @@ import functools
 import time
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class VTokenCounters:
@@ -72,3 +74,25 @@ def timed(counter: str):
         return hook
 
     return wrap
+
+
+def stats_of(block_size, blocks, nulls, computed, live, delta) -> VTokenStats:
+    """A stats interval from per-request arrays over running requests:
+    positional blocks, null-replaced ones, computed tokens, live tokens."""
+    B = block_size
+    held = blocks - nulls
+    # Compaction moves tokens into written slots only (holes), so the written
+    # slots are the positional ones minus the freed blocks.
+    written = np.minimum(computed, blocks * B) - nulls * B
+    slots, live_sum = int(held.sum()) * B, int(live.sum())
+    return VTokenStats(
+        token_utilization=live_sum / slots if slots else 0.0,
+        intra_block_waste=int(written.sum() - live_sum) / slots if slots else 0.0,
+        retained_blocks=int(held.sum()),
+        live_tokens=live_sum,
+        evicted_tokens=delta.evicted_tokens,
+        reclaimed_blocks=delta.reclaimed_blocks,
+        moved_tokens=delta.moved_tokens,
+        deferred_plans=delta.deferred_plans,
+        copy_bytes=delta.copy_bytes,
+    )

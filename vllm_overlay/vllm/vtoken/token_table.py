@@ -30,16 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import RowArena, segments
-
-
-def _as_index(values: np.ndarray | list[int], what: str) -> np.ndarray:
-    arr = np.asarray(values)
-    assert arr.ndim == 1, f"{what} must be 1-D, got shape {arr.shape}"
-    assert arr.size == 0 or np.issubdtype(arr.dtype, np.integer), (
-        f"{what} must hold integers, got dtype {arr.dtype}"
-    )
-    return arr.astype(np.int64, copy=False)
+from vllm.vtoken.arena import RowArena, as_index, segments
 
 
 class TokenTablePool:
@@ -134,7 +125,7 @@ class TokenTablePool:
     def evict_rows(self, rows: np.ndarray, indptr: np.ndarray, idx) -> None:
         """`evict` for distinct rows at once: row i loses tokens
         idx[indptr[i]:indptr[i + 1]] (live, slotted, distinct per row)."""
-        i = _as_index(idx, "idx")
+        i = as_index(idx, "idx")
         if i.size == 0:
             return
         rows = np.asarray(rows, np.int64)
@@ -151,32 +142,19 @@ class TokenTablePool:
 
     # ------------------------------------------------------------ mutations
     def append(self, req_id: str, slots: np.ndarray) -> None:
-        """Gives slots to the next `len(slots)` logical tokens after the slotted ones.
-
-        Tokens past the known length are new and live; tokens already known
-        (re-synced after `reset_slots`) keep their liveness bit.
-
-        Args:
-            req_id: A registered request.
-            slots: Integer [n], distinct, each in [0, num_blocks * block_size).
-        """
-        s = _as_index(slots, "slots")
+        """Gives slots (int [n], distinct, in [0, num_slots)) to the next n
+        logical tokens after the slotted ones. Tokens past the known length
+        are new and live; known ones (re-synced after `reset_slots`) keep
+        their liveness bit."""
+        s = as_index(slots, "slots")
         self.append_rows(self.rows([req_id]), np.array([s.size]), s)
 
     def evict(self, req_id: str, idx: np.ndarray) -> np.ndarray:
-        """Marks tokens dead: flips their bits and leaves their blocks' counts.
-
-        Evicting no tokens is a no-op.
-
-        Args:
-            req_id: A registered request.
-            idx: Integer [n] logical indices, distinct, live, in [0, num_slotted).
-
-        Returns:
-            int64 [n]: the evicted indices, sorted.
-        """
+        """Marks tokens dead (int [n] logical indices, distinct, live, in
+        [0, num_slotted)): flips their bits and leaves their blocks' counts.
+        Returns them sorted (int64); evicting none is a no-op."""
         rows = self.rows([req_id])
-        i = np.sort(_as_index(idx, "idx"))
+        i = np.sort(as_index(idx, "idx"))
         self.evict_rows(rows, np.array([0, i.size]), i)
         return i
 
@@ -191,17 +169,11 @@ class TokenTablePool:
         """Switches a completed move batch: its tokens now live at `dst_slots`.
 
         The paper's `apply_moves`, on the Token Table (both views, C1). Request
-        r's moves are entries [indptr[r], indptr[r + 1]): token idx[j] moves to
-        dst_slots[j]. A token that died after the move was planned still gets
-        its new slot, but is counted in no block. Requests that left the pool
-        (finished), have no slots (preempted) or are not in `keep` are skipped.
-
-        Args:
-            req_ids: The batch's requests.
-            indptr: int [R + 1] CSR into idx and dst_slots.
-            idx: int [M] logical indices, distinct per request.
-            dst_slots: int [M] slots, distinct.
-            keep: Optional bool [R]: False skips that request's moves.
+        r's moves are entries [indptr[r], indptr[r + 1]) (CSR): token idx[j]
+        (distinct per request) moves to dst_slots[j] (distinct). A token that
+        died after the move was planned still gets its new slot, but is
+        counted in no block. Requests that left the pool (finished), have no
+        slots (preempted) or are False in `keep` are skipped.
         """
         assert len(indptr) == len(req_ids) + 1 and len(idx) == len(dst_slots)
         row = self._a.rows_or_missing(req_ids)
@@ -211,7 +183,7 @@ class TokenTablePool:
             ok &= np.asarray(keep, bool)
         seg = np.repeat(np.arange(row.size), np.diff(indptr))
         sel = ok[seg]
-        i = _as_index(idx, "idx")[sel]
+        i = as_index(idx, "idx")[sel]
         ns = self._as_slots(np.asarray(dst_slots)[sel], "dst_slots")
         if integrity.CHECK:
             self._check_idx(row, seg[sel], i)
@@ -365,7 +337,7 @@ class TokenTablePool:
         assert np.unique(key).size == key.size, "idx holds a token twice"
 
     def _as_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
-        s = _as_index(slots, what)
+        s = as_index(slots, what)
         if integrity.CHECK and s.size:
             assert 0 <= s.min() and s.max() < self.num_slots, (
                 f"{what} outside [0, {self.num_slots})"

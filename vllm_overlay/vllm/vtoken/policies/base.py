@@ -275,3 +275,28 @@ def select_lowest(
         extra = np.flatnonzero(req.evictable & protected)
         first = np.concatenate([first, extra])
     return req.live_idx[first[:num_evict]].astype(np.int64)
+
+
+def is_builtin(policy: EvictionPolicy) -> bool:
+    """One of vToken's own policies (not a plug-in's)."""
+    return type(policy).__module__.startswith("vllm.vtoken.policies.")
+
+
+def check_answers(policy, ids, seg, idx, evictable, excess, counts, chosen) -> None:
+    """The contract, all requests at once: the right count each, distinct,
+    evictable tokens of the request's own; else a RuntimeError."""
+    want = np.minimum(excess, np.bincount(seg[evictable], minlength=len(ids)))
+    ok = counts.size == len(ids) and (counts == want).all()
+    ok = ok and chosen.size == counts.sum()
+    if ok and chosen.size:
+        cseg = np.repeat(np.arange(len(ids)), counts)
+        width = int(max(idx.max(), chosen.max())) + 1
+        key, ckey = seg * width + idx, cseg * width + chosen
+        at = np.minimum(np.searchsorted(key, ckey), key.size - 1)
+        ok = (key[at] == ckey).all() and evictable[at].all()
+        ok = ok and np.unique(ckey).size == ckey.size
+    if not ok:
+        raise RuntimeError(
+            f"policy {policy.name} broke its contract on {ids[:4]}...: wanted "
+            f"{want[:8].tolist()} distinct evictable tokens, got {counts[:8]}"
+        )
