@@ -208,3 +208,19 @@ def test_check_integrity_catches_a_slot_used_twice_within_a_request():
     move(pool, "a", [2], [5])  # apply_moves cannot see the clash
     with pytest.raises(AssertionError, match="a slot used twice"):
         pool.check_integrity()
+
+
+def test_a_batch_append_may_give_two_requests_the_same_shared_slots(monkeypatch):
+    """Requests that hit the same prefix-cached block get the same slots in one
+    step's append; a slot twice within one request is still an error."""
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", True)
+    pool = TokenTablePool(16, B)
+    for rid in "ab":
+        pool.add_request(rid)
+    rows = pool.rows(["a", "b"])
+    pool.append_rows(rows, np.array([3, 3]), np.array([8, 9, 10, 8, 9, 10]))
+    np.testing.assert_array_equal(pool.slots("b"), [8, 9, 10])
+    with pytest.raises(AssertionError, match="a slot twice"):
+        pool.append_rows(rows, np.array([2, 0]), np.array([12, 12]))

@@ -36,9 +36,8 @@ from vllm.vtoken.arena import RowArena, as_index, segments
 class TokenTablePool:
     """Token Tables of all requests plus the global per-block live counts.
 
-    Memory: 5 bytes per token (int32 slot + bool liveness), at most four times
-    that with doubling slack and cleared regions; plus 4 bytes per physical
-    block and 40 per request row.
+    Memory: 5 bytes per token (int32 slot + bool liveness; at most 4x that in
+    slack), 4 per physical block and 40 per request row.
 
     Liveness counters (`num_live`, `total_live`) count live bits of every known
     token, slotted or not (a preempted request keeps its live set), and are O(1).
@@ -88,16 +87,20 @@ class TokenTablePool:
 
     def append_rows(self, rows: np.ndarray, counts: np.ndarray, slots) -> None:
         """`append` for distinct rows at once: row i gets the next counts[i]
-        entries of `slots` (flat, int, each in [0, num_slots), distinct)."""
-        s = self._as_slots(slots, "slots")
+        entries of `slots` (flat, int, each in [0, num_slots), distinct per
+        row: requests sharing prefix-cached blocks share those slots)."""
+        s = self._as_slots(slots, "slots", unique=False)  # checked per row
         if s.size == 0:
             return
         rows, counts = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
         assert counts.sum() == s.size, "counts do not add up to the slots"
         first = self._n_slotted[rows]
         end = first + counts
-        self._a.reserve(rows, end)
         seg, k = segments(counts)
+        if integrity.CHECK:
+            key = seg * self.num_slots + s
+            assert np.unique(key).size == key.size, "slots holds a slot twice"
+        self._a.reserve(rows, end)
         tok = first[seg] + k
         pos = self._a.start[rows][seg] + tok
         self._slot[pos] = s
@@ -194,7 +197,7 @@ class TokenTablePool:
         self._slot[pos] = ns
 
     # ------------------------------------------------------------ queries
-    def num_tokens(self, req_id: str) -> int:
+    def num_tokens(self, req_id: str) -> int:  # known: ever slotted
         return int(self._n_tokens[self._row[req_id]])
 
     def num_slotted(self, req_id: str) -> int:
@@ -336,11 +339,12 @@ class TokenTablePool:
         key = seg * (int(idx.max()) + 1) + idx
         assert np.unique(key).size == key.size, "idx holds a token twice"
 
-    def _as_slots(self, slots: np.ndarray, what: str) -> np.ndarray:
+    def _as_slots(self, slots: np.ndarray, what: str, unique=True) -> np.ndarray:
         s = as_index(slots, what)
         if integrity.CHECK and s.size:
             assert 0 <= s.min() and s.max() < self.num_slots, (
                 f"{what} outside [0, {self.num_slots})"
             )
-            assert np.unique(s).size == s.size, f"{what} holds a slot twice"
+            twice = unique and np.unique(s).size != s.size
+            assert not twice, f"{what} holds a slot twice"
         return s
