@@ -309,3 +309,29 @@ def test_blocks_emptied_mid_list_are_freed_in_place_also_after_a_resume():
     vt.on_free(req)
     kv.free(req)
     assert kv.block_pool.get_num_free_blocks() == 15
+
+
+def test_a_plan_whose_sources_hold_no_live_token_frees_them_without_moves():
+    """A source block whose tokens all died after planning needs no move: it
+    is freed at once, and a plan of only such sources is no batch (this
+    crashed the batch binder on an empty move list, found by test_hostile)."""
+    from vllm.vtoken.planner import BlockPlan
+
+    kv, vt, req = setup("vtoken")
+    step(kv, vt, req, 12, [])  # prompt: 3 blocks, none dead
+    blocks = vt.reclaimer.positional("A")
+    src = blocks[1].block_id
+    vt.pool.evict("A", np.arange(4, 8))  # block 1's tokens die, unfreed
+    free = kv.block_pool.get_num_free_blocks()
+    plan = BlockPlan(
+        req_index=np.array([0]),
+        src_indptr=np.array([0, 1]),
+        src_block_ids=np.array([src], np.int32),
+        dst_indptr=np.array([0, 1]),
+        dst_block_ids=np.array([blocks[0].block_id], np.int32),
+        num_fresh=np.array([0]),
+    )
+    assert vt.reclaimer._bind(plan, [vt._reqs["A"]], ["A"]) is None
+    assert vt.reclaimer.positional("A")[1].is_null
+    assert kv.block_pool.get_num_free_blocks() == free + 1
+    vt.check_integrity()

@@ -264,7 +264,7 @@ class BlockReclaimer:
         )
         # Blocks written, per request (its moves fill them one after another).
         blk = m.dst_slots // B
-        first = np.flatnonzero(np.r_[True, blk[1:] != blk[:-1]])
+        first = np.flatnonzero(np.r_[blk[:1] >= 0, blk[1:] != blk[:-1]])
         dst_blocks, dst_at = blk[first], np.searchsorted(first, m.indptr)
         # A destination's content changes: it must leave the prefix cache
         # (sources keep theirs intact, so a later hit on them stays valid).
@@ -277,14 +277,15 @@ class BlockReclaimer:
             rid, rec = rids[r], recs[r]
             ids = src_ids[src_at[k] : src_at[k + 1]]
             src_blocks = [by_id[b] for b in ids]
+            new = fresh[at[k] : at[k + 1]]
             if num_moves[k] == 0:  # every token already dead: free right away
                 self.release_blocks(rid, rec, src_blocks)
+                self.block_pool.free_blocks(new)  # nothing to evacuate into
                 continue
             rec.move_batch, rec.move_src = batch_id, src_blocks
             rec.move_dst = dst_blocks[dst_at[k] : dst_at[k + 1]]
             busy += ids
             # Cached sources come first in a plan around the cache.
-            new = fresh[at[k] : at[k + 1]]
             rec.move_detached = src_blocks[: len(new)]
             self._swap_in(rid, new, rec.move_detached)
             self.counters.evacuated_blocks += sum(
