@@ -267,3 +267,10 @@ def test_h2o_through_accumulator_evicts_least_attended_token():
     q = torch.tensor([[[1.0, 0.0]]])  # one decode query, one head
     fold(acc, {"a": pool.live_idx("a")}, [attention_mass(q, k, 1.0).tolist()])
     assert rt.enforce_budget("a", 5).tolist() == [2]  # key 2 got the least mass
+
+
+def test_scores_read_before_anything_was_scored_are_zero():
+    from vllm.vtoken.scores import ScoreAccumulator
+
+    acc = ScoreAccumulator("sum")
+    assert acc.scores_rows(["a"], np.array([0, 1]), np.array([0, 0])).tolist() == [0, 0]

@@ -224,3 +224,17 @@ def test_a_batch_append_may_give_two_requests_the_same_shared_slots(monkeypatch)
     np.testing.assert_array_equal(pool.slots("b"), [8, 9, 10])
     with pytest.raises(AssertionError, match="a slot twice"):
         pool.append_rows(rows, np.array([2, 0]), np.array([12, 12]))
+
+
+def test_a_row_twice_in_one_batch_is_refused(monkeypatch):
+    """(Review) A repeated row would keep one of its counter updates only."""
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", True)
+    pool = make_pool(a=[12, 13, 14])
+    rows = pool.rows(["a", "a"])
+    with pytest.raises(AssertionError, match="a row twice"):
+        pool.evict_rows(rows, np.array([0, 1, 2]), np.array([0, 1]))
+    with pytest.raises(AssertionError, match="a row twice"):
+        pool.append_rows(rows, np.array([1, 1]), np.array([15, 16]))
+    assert pool.num_live("a") == 3

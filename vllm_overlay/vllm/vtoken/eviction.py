@@ -2,12 +2,10 @@
 """Budget enforcement: the only caller of eviction-policy methods.
 
 Scheduler side. `EvictionRuntime` keeps the Token Tables in step with the tokens
-vLLM computes (`sync_new_tokens`), asks the policy for victims when a request
-holds more live tokens than its budget (`enforce_budget`), checks the policy's
-answer against the contract and applies it to the pool. Each request gets its own
-random generator, seeded from (seed, a stable hash of a key: its id, or what the
-caller passes, e.g. its prompt), so results do not depend on batch order or on
-Python's hash randomization.
+vLLM computes (`sync_rows`), asks the policies for victims when requests hold
+more live tokens than their budget (`enforce_budgets`, the batch at once),
+checks the answers against the contract and applies them to the pool. Each
+request has its own generator (seeding.py): results do not depend on batch order.
 """
 
 from __future__ import annotations
@@ -136,10 +134,12 @@ class EvictionRuntime:
         self.pool.add_request(req_id)
         key = req_id.encode() if rng_key is None else rng_key
         r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
-        self._budget[req_id] = r.budget if r.policy else np.iinfo(np.int64).max
-        if r.policy not in self._by_index:
+        evicts = r.policy is not None
+        self._budget[req_id] = r.budget if evicts else np.iinfo(np.int64).max
+        known = [i for i, p in enumerate(self._by_index) if p is r.policy]
+        if not known:  # by identity: a plug-in may define __eq__
             self._by_index.append(r.policy)
-        self._pix[req_id] = self._by_index.index(r.policy)
+        self._pix[req_id] = known[0] if known else len(self._by_index) - 1
 
     def sync_rows(self, req_ids: list[str], counts: np.ndarray, slots) -> None:
         """`sync_new_tokens` for registered requests at once: req_ids[k]
@@ -155,7 +155,7 @@ class EvictionRuntime:
             policy = self._by_index[p]
             if policy is None or not _syncs(policy):
                 continue
-            sel = np.flatnonzero(pix == p)
+            sel = np.flatnonzero((pix == p) & (num_new > 0))  # new tokens only
             ids = [req_ids[i] for i in sel]
             policy.sync_batch(
                 ids,

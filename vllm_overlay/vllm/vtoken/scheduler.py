@@ -288,6 +288,7 @@ class VTokenScheduler:
             spans = zip(blocks, first.tolist(), (last + 1).tolist(), strict=True)
             ids = [x.block_id for b, f, e in spans for x in b[f:e]]
         ids = np.asarray(ids, dtype=np.int64)
+        assert ids.size == (last - first + 1).sum(), "a block list is too short"
         counts = upto - start
         seg, k = segments(counts)
         pos = start[seg] + k
@@ -324,19 +325,10 @@ class VTokenScheduler:
     # ------------------------------------------------------------ metrics
     def make_stats(self, running: Iterable[Request]) -> VTokenStats:
         """Gauges over running requests, counters since the last call."""
-        reqs = [r for r in running if r.request_id in self._reqs]
-        rids = [r.request_id for r in reqs]
-        positional = [self.reclaimer.req_to_blocks.get(r, ()) for r in rids]
         delta = self.counters.minus(self._last_counters)
         self._last_counters = self.counters.copy()
-        return stats_of(
-            self.block_size,
-            np.fromiter(map(len, positional), np.int64, len(rids)),
-            np.fromiter((self._reqs[r].nulls for r in rids), np.int64, len(rids)),
-            np.fromiter(map(_COMPUTED, reqs), np.int64, len(rids)),
-            self.pool.num_live_rows(self.pool.rows(rids)),
-            delta,
-        )
+        blocks = self.reclaimer.req_to_blocks
+        return stats_of(self.block_size, running, self._reqs, blocks, self.pool, delta)
 
     # ------------------------------------------------------------ invariants
     def check_integrity(self) -> None:

@@ -131,7 +131,7 @@ def score_mass_kernel(
         if TOP:  # per query head: the max over heads needs each head's sum
             for gi in tl.static_range(G):
                 col = tl.sum(tl.where((g == gi)[:, None], p, 0.0), 0)
-                dst = mass_ptr + (kvh * G + gi) * num_keys + kstart + key
+                dst = mass_ptr + (kvh * G + gi).to(tl.int64) * num_keys + kstart + key
                 tl.atomic_add(dst, col, mask=kmask)
         else:
             tl.atomic_add(mass_ptr + kstart + key, tl.sum(p, 0), mask=kmask)

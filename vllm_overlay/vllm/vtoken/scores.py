@@ -161,7 +161,7 @@ class ScoreAccumulator:
         (seg: all 0 when None), 0 for a token or request never scored."""
         idx = np.asarray(idx, dtype=np.int64)
         out = np.zeros(idx.size, dtype=np.float32)
-        if not req_ids:
+        if not req_ids or not self._acc.index:
             return out
         rows = self._acc.rows_or_missing(req_ids)
         seg = np.zeros(idx.size, np.int64) if seg is None else np.asarray(seg)

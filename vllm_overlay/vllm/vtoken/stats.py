@@ -76,9 +76,19 @@ def timed(counter: str):
     return wrap
 
 
-def stats_of(block_size, blocks, nulls, computed, live, delta) -> VTokenStats:
-    """A stats interval from per-request arrays over running requests:
-    positional blocks, null-replaced ones, computed tokens, live tokens."""
+def stats_of(block_size, running, reqs, req_to_blocks, pool, delta) -> VTokenStats:
+    """A stats interval over the running requests vToken tracks that hold
+    blocks, from per-request arrays: positional blocks, null-replaced ones,
+    computed and live tokens; `delta`: the counters since the last one."""
+    running = [
+        r for r in running if r.request_id in reqs and req_to_blocks.get(r.request_id)
+    ]
+    rids = [r.request_id for r in running]
+    n = len(rids)
+    blocks = np.fromiter((len(req_to_blocks[r]) for r in rids), np.int64, n)
+    nulls = np.fromiter((reqs[r].nulls for r in rids), np.int64, n)
+    computed = np.fromiter((r.num_computed_tokens for r in running), np.int64, n)
+    live = pool.num_live_rows(pool.rows(rids))
     B = block_size
     held = blocks - nulls
     # Compaction moves tokens into written slots only (holes), so the written

@@ -98,6 +98,7 @@ class TokenTablePool:
         end = first + counts
         seg, k = segments(counts)
         if integrity.CHECK:
+            assert np.unique(rows).size == rows.size, "a row twice in one batch"
             key = seg * self.num_slots + s
             assert np.unique(key).size == key.size, "slots holds a slot twice"
         self._a.reserve(rows, end)
@@ -207,8 +208,7 @@ class TokenTablePool:
         """Live tokens of the request, slotted or not (O(1))."""
         return int(self._n_live[self._row[req_id]])
 
-    def num_live_rows(self, rows: np.ndarray) -> np.ndarray:
-        """int64 [R]: `num_live` of each row."""
+    def num_live_rows(self, rows: np.ndarray) -> np.ndarray:  # int64 [R]
         return self._n_live[rows]
 
     def has_dead(self, req_id: str) -> bool:
@@ -216,12 +216,10 @@ class TokenTablePool:
         row = self._row[req_id]
         return bool(self._n_live[row] < self._n_tokens[row])
 
-    def num_tokens_rows(self, rows: np.ndarray) -> np.ndarray:
-        """int64 [R]: `num_tokens` of each row."""
+    def num_tokens_rows(self, rows: np.ndarray) -> np.ndarray:  # int64 [R]
         return self._n_tokens[rows]
 
-    def num_slotted_rows(self, rows: np.ndarray) -> np.ndarray:
-        """int64 [R]: `num_slotted` of each row."""
+    def num_slotted_rows(self, rows: np.ndarray) -> np.ndarray:  # int64 [R]
         return self._n_slotted[rows]
 
     def has_dead_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -331,6 +329,7 @@ class TokenTablePool:
             np.add.at(self.block_live, slots // self.block_size, delta)
 
     def _check_idx(self, rows: np.ndarray, seg: np.ndarray, idx: np.ndarray) -> None:
+        assert np.unique(rows).size == rows.size, "a row twice in one batch"
         if idx.size == 0:
             return
         assert (idx >= 0).all() and (idx < self._n_slotted[rows][seg]).all(), (

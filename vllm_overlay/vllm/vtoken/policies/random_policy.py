@@ -24,7 +24,7 @@ class RandomPolicy(base.EvictionPolicy):
     def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
         # A draw per token, keyed by the request's seed and its newest token
         # (so each step draws afresh): the lowest draws go, a uniform choice.
-        newest = batch.live_idx[batch.indptr[1:] - 1]
+        newest = np.r_[batch.live_idx, 0][batch.indptr[1:] - 1]  # (0: none)
         key = selection.hash_uniform(
             batch.seeds[batch.seg], batch.live_idx, newest[batch.seg]
         )

@@ -29,9 +29,11 @@ def lowest_batch(
     want = np.asarray(num_evict, dtype=np.int64)
     first = batch.evictable & ~protected
     few = int(want.max(initial=0))
-    if 0 < few <= FEW_ROUNDS:
+    # The steady state, a token or two over budget each, and well-formed:
+    # every request has enough candidates, none is empty, no key is NaN.
+    if 0 < few <= FEW_ROUNDS and (np.diff(batch.indptr) > 0).all():
         enough = np.bincount(batch.seg[first], minlength=want.size) >= want
-        if enough.all():  # the steady state: a token or two over budget each
+        if enough.all() and not np.isnan(key[first]).any():
             return want.copy(), _lowest_by_rounds(batch, want, few, key, first)
     tier = np.where(protected, 1, 0) + np.where(batch.evictable, 0, 2)
     tier = np.minimum(tier, 2)
