@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU-sized benchmark suite on the real patched engine (SmolLM2-135M, block
-# size 16), then docs/RESULTS.md from its JSON. About 35 minutes on 2 cores.
+# size 16), then docs/RESULTS.md from its JSON. About 40 minutes on 2 cores.
 # Extra arguments go to every experiment (e.g. --model DIR --engine-json '{...}').
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
@@ -15,5 +15,9 @@ bench overhead --requests 8 --prompt-len 128 --gen-len 128 --repeats 7 "$@"
 bench prefix --requests 8 --prompt-len 512 --gen-len 64 --budget 256 "$@"
 bench quality --requests 6 --prompt-len 128 --gen-len 96 "$@"
 bench sla --pool 96 --budget 128 --gen-len 128 --num-prompts 24 --rates 0.5 1 2 "$@"
+tiny=$VTOKEN_CACHE/models/tiny-llama  # scale: dummy weights, a cheap forward
+"$VTOKEN_PY" scripts/prepare.py tiny-llama --out "$tiny" >&2
+bench scale --model "$tiny" --prompts random --batches 64 256 1024 --prompt-len 64 \
+  --gen-len 64 --budget 32
 "$VTOKEN_PY" scripts/bench_planner.py
 "$VTOKEN_PY" scripts/bench_report.py

@@ -260,6 +260,32 @@ def quality_section(d: dict, img: str) -> list[str]:
     return out + ["", f"![quality]({img}/quality.png)", ""]
 
 
+def scale_section(d: dict, img: str) -> list[str]:
+    out = [
+        "## Per-step cost at large batches",
+        "",
+        f"`{d['command']}` ({d['date']}). A dummy-weight two-layer Llama (the "
+        f"forward is cheap, host work shows), random prompts of {d['prompt_len']} "
+        f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode; "
+        "medians over the steps where every request runs. Host time: wall time "
+        "inside vToken's hooks, both sides (`scheduler_ns` + `worker_ns`).",
+        "",
+        "| running | policy | step ms | native step ms | ratio | vToken host ms "
+        "| planner ms per plan |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for key, r in d["rows"].items():
+        n, policy = key.split("/")
+        if policy == "none":
+            continue
+        native = d["rows"][f"{n}/none"]["step_ms"]
+        out.append(
+            f"| {int(n):,} | {policy} | {r['step_ms']:.1f} | {native:.1f} "
+            f"| {r['step_ratio']:.2f} | {r['host_ms']:.2f} | {r['planner_ms']:.2f} |"
+        )
+    return out + ["", f"![scale]({img}/scale.png)", ""]
+
+
 SECTIONS = [
     ("memory", memory_section),
     ("capacity*", capacity_section),
@@ -268,6 +294,7 @@ SECTIONS = [
     ("planner", planner_section),
     ("prefix", prefix_section),
     ("quality", quality_section),
+    ("scale", scale_section),
 ]
 
 

@@ -285,7 +285,10 @@ class Driver:
             state = dict(step=step, t=t, free=free, running=len(sched.running))
             state["step_ms"] = 1e3 * t_step
             if vt is not None:  # vToken's hooks, both sides, so far
-                state["vtoken_ns"] = vt.counters.scheduler_ns + vt.counters.worker_ns
+                c = vt.counters  # (getattr: older overlays lack them)
+                state["vtoken_ns"] = getattr(c, "scheduler_ns", 0) + getattr(
+                    c, "worker_ns", 0
+                )
             light = wave.get("light")  # no per-request state: scale runs
             steps.append(state if light else block_state(sched, histogram) | state)
             if len(steps) > 20000:
