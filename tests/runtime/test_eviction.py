@@ -274,3 +274,35 @@ def test_scores_read_before_anything_was_scored_are_zero():
 
     acc = ScoreAccumulator("sum")
     assert acc.scores_rows(["a"], np.array([0, 1]), np.array([0, 0])).tolist() == [0, 0]
+
+
+def test_scores_cross_as_one_step_and_fold_on_the_scheduler():
+    """The worker sends a step's gains (ScoreStep), the scheduler folds them:
+    the same scores as folding in place, a message the size of one step (not
+    of the history), and nothing folded back for a request already gone."""
+    import pickle
+
+    import torch
+
+    from vllm.vtoken.scores import ScoreAccumulator
+
+    worker, sched, ref = (ScoreAccumulator("sum") for _ in range(3))
+    sizes = []
+    for t in range(4):
+        keys = np.r_[np.arange(3 + t), np.arange(2 + t)]  # a, b grow by one
+        indptr = np.array([0, 3 + t, 5 + 2 * t])
+        mass = torch.rand(keys.size, generator=torch.Generator().manual_seed(t))
+        for acc in (worker, ref):
+            acc.begin_step(keys.size)
+            acc.add(torch.arange(keys.size), mass)
+        step = worker.take_step(["a", "b"], indptr, keys, np.array([1, 1]), 2.0)
+        ref.finish_step(["a", "b"], indptr, keys, np.array([1, 1]), 2.0)
+        sched.fold(step, known={"a": 0, "b": 0})
+        sizes.append(len(pickle.dumps(step)))
+    for rid in "ab":
+        idx = np.arange(7)
+        np.testing.assert_array_equal(sched.scores(rid, idx), ref.scores(rid, idx))
+    assert sizes[-1] - sizes[0] < 200  # a step's worth: 2 more keys a step
+    sched.release("b")
+    sched.fold(step, known={"a": 0})  # "b" finished meanwhile
+    assert sched.scores("b", np.arange(3)).tolist() == [0, 0, 0]

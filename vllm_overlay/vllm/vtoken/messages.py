@@ -4,27 +4,19 @@
 Scheduler -> worker: `VTokenStep`, on `SchedulerOutput.vtoken` (newly dead tokens
 and at most one batch of KV moves). Worker -> scheduler: `VTokenWorkerOutput`, on
 `ModelRunnerOutput.vtoken_output` (move batches whose copy completed, and the
-attention-score accumulator that H2O and Scissorhands read).
+step's attention-score gains that H2O, Scissorhands and SnapKV fold into their
+scores: one float per key read, `ScoreStep`).
 
-Both are fresh objects every step, and nothing in them is mutated after the
-hand-off except one documented handle: `VTokenWorkerOutput.scores` is the
-worker's live `ScoreAccumulator`. In process (one worker, UniProcExecutor, the
-default) the scheduler reads it by reference before the next forward runs, which
-is when it reads it anyway; a multi-process executor pickles it whole each step
-(correct, but O(tokens of the running scored requests) per step: per-step
-score deltas replace it when multi-rank support lands). Numpy arrays travel
-out of band.
+Both are fresh objects every step, made of flat arrays and lists, and nothing
+in them is mutated after the hand-off, so a multi-process executor pickles a
+step's worth, never a running state. Numpy arrays travel out of band.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from vllm.vtoken.scores import ScoreAccumulator
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,10 +65,25 @@ class VTokenStep:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScoreStep:
+    """One step's score gains (scores.py): request req_ids[r]'s keys are
+    entries [indptr[r], indptr[r + 1]) of `key_idx` (logical tokens) and
+    `gain` (what the step adds to each token's score)."""
+
+    req_ids: list[str]
+    indptr: np.ndarray  # int64 [R + 1]
+    key_idx: np.ndarray  # int64 [K]
+    gain: np.ndarray  # float32 [K]
+
+    def __repr__(self) -> str:
+        return f"ScoreStep(reqs={len(self.req_ids)}, keys={len(self.key_idx)})"
+
+
+@dataclass(frozen=True, kw_only=True)
 class VTokenWorkerOutput:
     """Worker -> scheduler: completed move batches, attention scores."""
 
     acked_batches: list[int] = field(default_factory=list)
     copy_bytes: int = 0  # running total of KV bytes the worker's moves wrote
     host_ns: int = 0  # running total of the worker's time in its vToken hooks
-    scores: ScoreAccumulator | None = None  # a handle, see the module docstring
+    scores: ScoreStep | None = None  # this step's score gains, if scored

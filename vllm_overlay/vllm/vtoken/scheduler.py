@@ -43,6 +43,7 @@ from vllm.vtoken.policies import create_policy
 from vllm.vtoken.reclaimer import BlockReclaimer
 from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.request_state import RequestState
+from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.seeding import prompt_key
 from vllm.vtoken.stats import VTokenCounters, VTokenStats, stats_of, timed
 from vllm.vtoken.token_table import TokenTablePool
@@ -77,14 +78,15 @@ class VTokenScheduler:
             cfg.kv_budget_tokens or UNBOUNDED_BUDGET,
             cfg.policy_knobs(),
         )
-        self._scores = None
+        # The running scores, folded from each step's ScoreStep (on_output).
+        self._scores = scores = ScoreAccumulator.of_policy(policy)
         self.runtime = EvictionRuntime(
             self.pool,
             policy,
             cfg.kv_budget_tokens,
             seed=cfg.seed,
-            score_source=self._read_scores if policy.score_mode else None,
-            score_batch=self._read_batch_scores if policy.score_mode else None,
+            score_source=scores.scores if scores else None,
+            score_batch=scores.scores_rows if scores else None,
         )
         self._reqs: dict[str, RequestState] = {}
         # Requests a step must visit, so that it visits those only: with
@@ -192,8 +194,8 @@ class VTokenScheduler:
         """Take the worker's scores and apply its acknowledged move batches."""
         if out is None:
             return
-        if out.scores is not None:
-            self._scores = out.scores
+        if out.scores is not None and self._scores is not None:
+            self._scores.fold(out.scores, known=self._reqs)
         self.counters.copy_bytes = out.copy_bytes
         self.counters.worker_ns = out.host_ns
         for batch_id in out.acked_batches:
@@ -235,6 +237,8 @@ class VTokenScheduler:
         self.pool.reset_slots(req.request_id)
         self._caching.add(req.request_id)  # its resume caches blocks again
         self.runtime.reset_scores(req.request_id)
+        if self._scores is not None:  # they restart with the slots
+            self._scores.release(req.request_id)
         self.reclaimer.drop_moves(rec)
         rec.nulls = 0
 
@@ -246,17 +250,11 @@ class VTokenScheduler:
         self._caching.discard(req.request_id)
         self._plan_due.discard(req.request_id)
         self.runtime.release(req.request_id)
+        if self._scores is not None:
+            self._scores.release(req.request_id)
         self.reclaimer.drop_moves(rec)
 
     # ------------------------------------------------------------ internals
-    def _read_scores(self, rid: str, idx: np.ndarray) -> np.ndarray:
-        return self._read_batch_scores([rid], idx, None)
-
-    def _read_batch_scores(self, rids, idx, seg) -> np.ndarray:
-        if self._scores is None:  # no forward has run yet
-            return np.zeros(len(idx), dtype=np.float32)
-        return self._scores.scores_rows(rids, idx, seg)
-
     def _sync_slots(self, scheduled: dict[str, int]) -> None:
         """Give the scheduled requests' tokens [num_slotted, computed +
         scheduled) their positional slots, the batch at once."""

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Attention scores for score-based eviction policies, per request and token.
 
-Worker side (written by the attention path); the scheduler reads it through
-`ScoreAccumulator.scores`. `VTokenWorkerOutput.scores` is a handle to it, not a
-snapshot (see messages.py).
+Two halves, one class: the worker's instance holds the step buffer the
+attention path writes, the scheduler's the running scores the policies read.
+What crosses between them is one `ScoreStep` per step (a float per key read),
+so any executor ships a step's worth, never the running state.
 
 Scores are indexed by request and **logical** token, never by KV slot: two
 requests that share prefix-cache blocks read the same slots, and each must
@@ -15,8 +16,9 @@ zero when it first appears.
     prepare   begin_step(K)            a zeroed device buffer, one entry per key
                                        of the step's TokenRead, in read order
     forward   add(pos, mass)           per layer, the mass each key received
-    end_step  finish_step(...)         one device-to-host copy, then one fold
-                                       into acc[rid][logical idx], batch-wide
+    end_step  take_step(...)           one device-to-host copy: each key's gain
+    on_output fold(step)               (scheduler) one fold into
+                                       acc[rid][logical idx], batch-wide
                                        (rows of an arena.RowArena):
 
     "sum"          acc += mass / (num_layers * num_heads)         (H2O)
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 
 from vllm.vtoken.arena import RowArena
+from vllm.vtoken.messages import ScoreStep
 
 SCORE_MODES = ("sum", "persistence", "window")
 
@@ -79,6 +82,19 @@ class ScoreAccumulator:
         self._acc = RowArena({"acc": (np.float32, 0.0)})
         self._step = torch.zeros(0, dtype=torch.float32, device=self.device)
 
+    @classmethod
+    def of_policy(cls, policy, device="cpu") -> ScoreAccumulator | None:
+        """The accumulator a policy's scores need (None: it reads none)."""
+        if not policy.score_mode:
+            return None
+        return cls(
+            policy.score_mode,
+            device,
+            policy.score_window,
+            policy.score_aggregate,
+            policy.score_query_window,
+        )
+
     def begin_step(self, num_keys: int) -> None:
         """A zeroed step buffer for the `num_keys` keys of the step's read."""
         self._step = torch.zeros(num_keys, dtype=torch.float32, device=self.device)
@@ -108,7 +124,18 @@ class ScoreAccumulator:
         num_queries: np.ndarray,
         norm: float,
     ) -> None:
-        """Folds the step buffer into each request's running scores.
+        """`fold(take_step(...))`: both halves in one process (tests)."""
+        self.fold(self.take_step(req_ids, key_indptr, key_idx, num_queries, norm))
+
+    def take_step(
+        self,
+        req_ids: list[str],
+        key_indptr: np.ndarray,
+        key_idx: np.ndarray,
+        num_queries: np.ndarray,
+        norm: float,
+    ) -> ScoreStep:
+        """Worker side: the step buffer as each key's gain, for `fold`.
 
         Args:
             req_ids: [R] the step's requests, in read order.
@@ -125,26 +152,43 @@ class ScoreAccumulator:
             len(key_idx),
         )
         mass = self._step.cpu().numpy()  # the step's one device-to-host copy
+        self._step = self._step[:0]
         if self.aggregate == "max":
             norm = 1.0  # one head of one layer, not their sum
         klen = np.diff(indptr)
         if self.mode != "persistence":
-            gain = mass / norm
+            gain = (mass / norm).astype(np.float32)
         else:
             queries = np.repeat(np.asarray(num_queries, dtype=np.float64), klen)
             # mean prob = mass / (norm * q) >= 1 / keys, without dividing.
             gain = (mass * np.repeat(klen, klen) >= norm * queries).astype(np.float32)
         read = np.flatnonzero(klen)
-        self._step = self._step[:0]
-        if read.size == 0:
+        return ScoreStep(
+            req_ids=[req_ids[r] for r in read],
+            indptr=np.r_[0, np.cumsum(klen[read])],
+            key_idx=np.asarray(key_idx, dtype=np.int64),
+            gain=gain,
+        )
+
+    def fold(self, step: ScoreStep, known=None) -> None:
+        """Scheduler side: adds a step's gains to the running scores, of the
+        requests in `known` only (default: all; a finished request's scores
+        must not come back)."""
+        ids, indptr, idx, gain = step.req_ids, step.indptr, step.key_idx, step.gain
+        if known is not None and not all(r in known for r in ids):
+            keep = np.fromiter((r in known for r in ids), bool, len(ids))
+            sel = np.repeat(keep, np.diff(indptr))
+            ids = [r for r, k in zip(ids, keep.tolist(), strict=True) if k]
+            idx, gain = idx[sel], gain[sel]
+            indptr = np.r_[0, np.cumsum(np.diff(indptr)[keep])]
+        if not ids:
             return
-        acc, ids = self._acc, [req_ids[r] for r in read]
+        acc = self._acc
         for rid in set(ids).difference(acc.index):  # a row on first sight
             acc.add(rid)
         rows = acc.rows(ids)
-        idx = np.asarray(key_idx, dtype=np.int64)
-        acc.reserve(rows, np.maximum.reduceat(idx, indptr[read]) + 1)
-        pos = acc.start[np.repeat(rows, klen[read])] + idx
+        acc.reserve(rows, np.maximum.reduceat(idx, indptr[:-1]) + 1)
+        pos = acc.start[np.repeat(rows, np.diff(indptr))] + idx
         a = acc.data["acc"]
         if self.window is None:
             a[pos] += gain

@@ -94,18 +94,7 @@ class VTokenWorker:
         policy = create_policy(
             cfg.kv_eviction_policy, UNBOUNDED_BUDGET, cfg.policy_knobs()
         )
-        mode, window = policy.score_mode, policy.score_window
-        self.scores = (
-            ScoreAccumulator(
-                mode,
-                device,
-                window,
-                policy.score_aggregate,
-                policy.score_query_window,
-            )
-            if mode
-            else None
-        )
+        self.scores = ScoreAccumulator.of_policy(policy, device)  # the step's
         layout = "cpu" if device.type == "cpu" else "triton"
         # CPU cache [2, N, H, B, D]: the read plan addresses V rows per KV head.
         self._num_kv_heads = kv_caches[0].shape[2] if layout == "cpu" else 0
@@ -152,13 +141,9 @@ class VTokenWorker:
             if rid in pool:
                 pool.release(rid)
                 del self._scored[rid]
-            if self.scores is not None:
-                self.scores.release(rid)
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             if rid in pool:
                 pool.reset_slots(rid)
-            if self.scores is not None:  # they restart with the slots
-                self.scores.release(rid)  # (the policy's reset_scores)
         step = so.vtoken
         if step is not None:
             if step.dead_req_ids:
@@ -289,15 +274,18 @@ class VTokenWorker:
     def end_step(self) -> VTokenWorkerOutput:
         read, self._read = self._read, None
         set_token_read(None)
+        step_scores = None
         if read is not None and self.scores is not None:
             (rids, key_idx), self._read_keys = self._read_keys, None
             nq = np.diff(read.query_start_loc)
-            self.scores.finish_step(rids, read.kv_indptr, key_idx, nq, self._score_norm)
+            step_scores = self.scores.take_step(
+                rids, read.kv_indptr, key_idx, nq, self._score_norm
+            )
         self.apply_moves()
         acked, self._acked = self._acked, []
         return VTokenWorkerOutput(
             acked_batches=acked,
             copy_bytes=self.executor.bytes_copied,
             host_ns=self.counters.worker_ns,
-            scores=self.scores,
+            scores=step_scores,
         )
