@@ -116,16 +116,9 @@ class ScoreAccumulator:
         else:
             self._step.index_add_(0, idx, mass)
 
-    def finish_step(
-        self,
-        req_ids: list[str],
-        key_indptr: np.ndarray,
-        key_idx: np.ndarray,
-        num_queries: np.ndarray,
-        norm: float,
-    ) -> None:
-        """`fold(take_step(...))`: both halves in one process (tests)."""
-        self.fold(self.take_step(req_ids, key_indptr, key_idx, num_queries, norm))
+    def finish_step(self, *step_args) -> None:
+        """`fold(take_step(*step_args))`: both halves in one process (tests)."""
+        self.fold(self.take_step(*step_args))
 
     def take_step(
         self,
