@@ -117,14 +117,8 @@ class EvictionRuntime:
         """
         if req_id not in self.pool:
             self.register(req_id, rng_key, evict)
-        before = self.pool.num_tokens(req_id)
-        self.pool.append(req_id, slots)
-        num_new = self.pool.num_tokens(req_id) - before
-        policy = self._reqs[req_id].policy
-        # Building a view costs O(tokens); skip it for the default no-op hook.
-        if num_new > 0 and policy is not None and _syncs(policy):
-            view = self._view(req_id, before, scores=None)
-            policy.sync_new_tokens(view, num_new)
+        slots = np.asarray(slots)
+        self.sync_rows([req_id], np.array([slots.size]), slots)
 
     def register(
         self, req_id: str, rng_key: bytes | None, evict: RequestEviction | None
@@ -178,14 +172,7 @@ class EvictionRuntime:
             RuntimeError: The policy broke its contract, or it needs scores and
                 no score source is set.
         """
-        r = self._reqs[req_id]
-        excess = self.pool.num_live(req_id) - r.budget
-        if r.policy is None or excess <= 0:
-            return np.zeros(0, dtype=np.int64)
-        view = self._view(req_id, num_attended, scores=self._scores(r.policy, req_id))
-        chosen = np.asarray(r.policy.evict_token(view, excess), dtype=np.int64)
-        self._check_answer(r.policy, view, chosen, excess)
-        return self.pool.evict(req_id, chosen)
+        return self.enforce_budgets([req_id], np.array([num_attended]))[2]
 
     def enforce_budgets(
         self, req_ids: list[str], num_attended: np.ndarray
@@ -299,17 +286,6 @@ class EvictionRuntime:
             self._policies[(name, budget)] = policy
         return _Evicting(policy, budget, rng, int(rng.integers(1 << 63)))
 
-    def _scores(self, policy: EvictionPolicy, req_id: str) -> np.ndarray | None:
-        if policy.score_mode is None:
-            return None
-        if self.score_source is None:
-            raise RuntimeError(
-                f"policy {policy.name} needs {policy.score_mode!r} "
-                "scores but the runtime has no score source"
-            )
-        idx = self.pool.live_idx(req_id)
-        return np.asarray(self.score_source(req_id, idx), dtype=np.float32)
-
     def _view(
         self, req_id: str, num_attended: int, scores: np.ndarray | None
     ) -> RequestView:
@@ -322,23 +298,6 @@ class EvictionRuntime:
             rng=self._reqs[req_id].rng,
             seed=self._reqs[req_id].seed,
         )
-
-    @staticmethod
-    def _check_answer(
-        policy: EvictionPolicy, view: RequestView, chosen: np.ndarray, want: int
-    ) -> None:
-        expected = min(want, int(np.count_nonzero(view.evictable)))
-        ok = (
-            chosen.ndim == 1
-            and chosen.size == expected
-            and np.unique(chosen).size == chosen.size
-            and np.isin(chosen, view.live_idx[view.evictable]).all()
-        )
-        if not ok:
-            raise RuntimeError(
-                f"policy {policy.name} broke its contract on {view.req_id!r}: "
-                f"wanted {expected} distinct evictable tokens, got {chosen[:16]}"
-            )
 
 
 def _syncs(policy: EvictionPolicy) -> bool:
