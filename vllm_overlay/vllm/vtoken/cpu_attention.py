@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm.vtoken.arena import ranges
 from vllm.vtoken.score_kernel import tiled_attention
 
 if TYPE_CHECKING:
@@ -132,9 +133,7 @@ def build_cpu_read_plan(
     heads = torch.arange(num_kv_heads)[None, :, None]
     v_rows = (blk[:, None, :] * num_kv_heads + heads) * block_size + off[:, None, :]
     valid_t = torch.from_numpy(valid)
-    sel = np.concatenate(
-        [np.arange(kv_loc[r], kv_loc[r + 1]) for r in others] + [np.zeros(0, np.int64)]
-    )
+    sel = ranges(kv_loc[others], num_k[others])
     other_slots = kv_slots[torch.from_numpy(sel)]
     if write is None:
         write = np.ones(len(num_q), dtype=bool)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm.vtoken import integrity
+from vllm.vtoken.arena import ranges
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,7 +183,7 @@ def plan_blocks(
     n_src = np.minimum(k, np.diff(at))
     if not n_src.any():
         return _empty_plan()
-    src = order[_ranges(at[:-1], n_src)]  # still sparsest first
+    src = order[ranges(at[:-1], n_src)]  # still sparsest first
     # Destinations: the planned requests' other blocks with a hole.
     hole = live < block_size
     hole[src] = False
@@ -198,12 +199,6 @@ def plan_blocks(
         dst = dst[_lexsort(block_size - live[dst], prio[dst], req[dst])]
     fresh = np.zeros(num_req, dtype=np.int64)
     return _plan(ids, live, req, src, dst, fresh, block_size)
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The indices [starts[i], starts[i] + lengths[i]) for every i, in order."""
-    before = np.cumsum(lengths) - lengths
-    return np.repeat(starts - before, lengths) + np.arange(lengths.sum())
 
 
 def _plan(ids, live, req, src, dst, fresh, block_size) -> BlockPlan:
@@ -227,7 +222,7 @@ def _plan(ids, live, req, src, dst, fresh, block_size) -> BlockPlan:
         src_indptr=np.r_[0, np.cumsum(n_src)],
         src_block_ids=ids[src].astype(np.int32),
         dst_indptr=np.r_[0, np.cumsum(n_dst)],
-        dst_block_ids=ids[dst[_ranges(d_at[req_index], n_dst)]].astype(np.int32),
+        dst_block_ids=ids[dst[ranges(d_at[req_index], n_dst)]].astype(np.int32),
         num_fresh=fresh[req_index],
     )
 
