@@ -189,8 +189,8 @@ class TokenTablePool:
         sel = ok[seg]
         i = as_index(idx, "idx")[sel]
         ns = self._as_slots(np.asarray(dst_slots)[sel], "dst_slots")
-        if integrity.CHECK:
-            self._check_idx(row, seg[sel], i)
+        if integrity.CHECK:  # over the kept requests (every missing one is -1)
+            self._check_idx(row[ok], (np.cumsum(ok) - 1)[seg[sel]], i)
         pos = self._a.start[row[seg[sel]]] + i
         live = self._live[pos]
         self._count(self._slot[pos][live], -1)
