@@ -16,8 +16,11 @@ for a in "$@"; do
   case "$a" in --model|--model=*) model=() ;; esac
   unset "defaults[${a%%=*}]" 2>/dev/null || true
 done
-# A first positional argument is the model (`vllm serve MODEL ...`).
-if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then model=(); unset "defaults[--served-model-name]"; fi
+# A first positional argument is the model (`vllm serve MODEL ...`); vLLM
+# wants it first, before the defaults.
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
+  model=("$1"); shift; unset "defaults[--served-model-name]"
+fi
 extra=()
 for k in "${!defaults[@]}"; do extra+=("$k" "${defaults[$k]}"); done
 exec "$VTOKEN_VENV/bin/vllm" serve "${model[@]}" "${extra[@]}" "$@"
