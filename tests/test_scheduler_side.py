@@ -335,3 +335,24 @@ def test_a_plan_whose_sources_hold_no_live_token_frees_them_without_moves():
     assert vt.reclaimer.positional("A")[1].is_null
     assert kv.block_pool.get_num_free_blocks() == free + 1
     vt.check_integrity()
+
+
+def test_no_eviction_while_the_requests_last_step_is_in_flight():
+    """Under PP vLLM schedules the next batch before the last one's output
+    arrives: a request whose step is in flight (every known token computed)
+    waits for that step's scores before its policy runs. It evicted with
+    stale (here: no) scores, and PP=2 evicted other tokens than one rank."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, req = setup("vtoken")
+    vt.begin_step([])
+    assert kv.allocate_slots(req, 12) is not None
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 12}))
+    req.num_computed_tokens += 12
+    vt.begin_step([req])  # the prefill's output has not arrived
+    assert vt.make_stats([req]).evicted_tokens == 0
+    vt.on_output(VTokenWorkerOutput())
+    req.append_output_token_ids(7)
+    vt.begin_step([req])  # now it has: 12 live > budget 6
+    assert vt.make_stats([req]).evicted_tokens == 6
+    vt.check_integrity()

@@ -104,6 +104,11 @@ class VTokenScheduler:
             self.pool, kv_cache_manager, cfg.kv_reclaim_threshold, self.counters
         )
 
+    @property
+    def scores(self) -> ScoreAccumulator | None:
+        """The running scores (None: the engine's policy reads none)."""
+        return self._scores
+
     # ------------------------------------------------------------ step hooks
     @timed("scheduler_ns")
     def begin_step(self, running: Iterable[Request]) -> None:
@@ -117,11 +122,13 @@ class VTokenScheduler:
                 self.reclaimer.free_empty_blocks(rid, rec, rec.recomputed_dead)
             rec.recomputed_dead = None
         # Never evict during a (chunked) prefill, nor before the table knows
-        # the tokens (prefill done means every prompt token was attended).
+        # the tokens (prefill done means every prompt token was attended), nor
+        # while its last step is in flight (PP's batch queue schedules the next
+        # batch first: that step's scores are not in yet).
         reqs = [
             r
             for r in running
-            if r.num_computed_tokens >= r.num_prompt_tokens
+            if r.num_prompt_tokens <= r.num_computed_tokens < r.num_tokens
             and r.request_id in self._reqs
         ]
         rids = [r.request_id for r in reqs]
