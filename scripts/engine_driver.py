@@ -27,6 +27,10 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
   search      {"lo": a, "hi": b, "wave": W}: instead, bisect on one engine for
               the largest N in [a, b] such that workload W with N prompts runs
               them all at once with no preemption; every run is under "tried"
+  waves       instead, a list of workloads run in turn on one engine (results
+              under "waves"), e.g. one per policy through extra_args
+  record_scores  each request's live tokens and their running scores, as of
+              its last step (score-based policies)
 """
 
 import contextlib
@@ -34,6 +38,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -113,12 +118,31 @@ def serve(cmd: list[str], log: pathlib.Path, timeout: float = 300) -> Iterator[s
             time.sleep(2)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have died alone
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+_EXCEPTION_LINE = re.compile(r"(?:^|\) )[\w.]+(?:Error|Exception)(?::|$)")
+
+
+def server_errors(log: pathlib.Path, expected=("VLLMValidationError",)) -> str:
+    """The server log's first traceback that does not end in an `expected`
+    error (a client's 400), for a test's failure message; "" if none."""
+    lines = log.read_text(errors="replace").splitlines()
+    start = None
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" in line:
+            start = i if start is None else start
+        elif start is not None and _EXCEPTION_LINE.search(line):
+            if not any(e in line for e in expected):
+                return "\n".join(lines[max(start - 5, 0) : i + 1][-120:])
+            start = None
+    return ""
 
 
 def bench_serve(url: str, timeout: float | None = None, **options) -> dict:
@@ -246,6 +270,7 @@ class Driver:
         aborts = {int(k): v for k, v in (wave.get("aborts") or {}).items()}
         free_start, outputs, finish_t, steps = pool.get_num_free_blocks(), {}, {}, []
         cached, dead, logprobs, vt = {}, {}, {}, getattr(sched, "vtoken", None)
+        scores = {}
         self.counts = {"preemptions": 0, "max_scheduled": 0}
         t0, added = time.monotonic(), 0
         while added < len(prompts) or engine.has_unfinished_requests():
@@ -279,8 +304,16 @@ class Driver:
                     arrivals[i] = step + 1
                     if turns["kind"] == "chat":
                         prompts[i] = prompts[i - 1] + outputs[rid] + asks[i]
-            for r in sched.running if wave.get("record_dead") and vt else ():
+            # Requests whose last step's output is in (under PP the batch queue
+            # keeps one in flight): the same points in a request's life, however
+            # the steps are pipelined.
+            settled = [r for r in sched.running if r.num_computed_tokens < r.num_tokens]
+            for r in settled if wave.get("record_dead") and vt else ():
                 dead[r.request_id] = vt.pool.dead_idx(r.request_id)
+            for r in settled if wave.get("record_scores") and vt else ():
+                live = vt.pool.live_idx(r.request_id)
+                got = vt.scores.scores(r.request_id, live)
+                scores[r.request_id] = [live.tolist(), got.tolist()]
             t, free = time.monotonic() - t0, pool.get_num_free_blocks()
             state = dict(step=step, t=t, free=free, running=len(sched.running))
             state["step_ms"] = 1e3 * t_step
@@ -307,6 +340,7 @@ class Driver:
             "cached_tokens": cached,
             "logprobs": logprobs,
             "dead": {k[len(tag) :].split("-")[0]: v.tolist() for k, v in dead.items()},
+            "scores": {k[len(tag) :].split("-")[0]: v for k, v in scores.items()},
             # All requests ran in one step at some point, and none was preempted.
             "sustained": self.counts["preemptions"] == 0
             and self.counts["max_scheduled"] == len(prompts),
@@ -362,6 +396,9 @@ def main() -> None:
     driver = Driver({**spec.get("engine", {}), **processors})
     if "search" in spec:
         result = driver.search(**spec["search"])
+    elif "waves" in spec:  # one engine, workloads in turn
+        waves = enumerate(spec["waves"])
+        result = {"waves": [driver.run(w, f"w{k}-") for k, w in waves]}
     else:
         calls = {"call": 0, "c_call": 0} if spec.get("count_calls") else None
         result = driver.run(spec, "w0-", bool(spec.get("histogram")), calls)

@@ -268,3 +268,38 @@ def test_cli_lists_the_group_and_the_vllm_command_starts():
     version = subprocess.run([vllm, "--version"], capture_output=True, text=True)
     assert version.returncode == 0, version.stderr[-2000:]
     assert version.stdout.strip().splitlines()[-1] == "0.18.0"
+
+
+def test_tensor_and_pipeline_parallelism_are_accepted():
+    """(Issue 12) Refused before: the ranks now agree on scores and copies."""
+    for size in ({"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}):
+        cfg = make_config(kv_eviction_policy="h2o", kv_budget_tokens=64, **size)
+        assert cfg.vtoken_config.enabled
+
+
+@pytest.mark.parametrize(
+    "kwargs, what",
+    [
+        ({"prefill_context_parallel_size": 2}, "context parallelism"),
+        (
+            {"decode_context_parallel_size": 3, "tensor_parallel_size": 3},
+            "context parallelism",
+        ),
+        ({"enable_dbo": True}, "--enable-dbo"),
+    ],
+)
+def test_parallel_layouts_the_tables_cannot_follow_are_refused(kwargs, what):
+    with pytest.raises(Exception) as err:
+        make_config(kv_eviction_policy="h2o", kv_budget_tokens=64, **kwargs)
+    assert f"does not support {what}" in str(err.value)
+
+
+def test_pipeline_parallelism_on_ray_is_refused():
+    """Ray's compiled graph runs sample_tokens on the last stage only, where
+    the stages' collectives would wait for ever. (No ray here: the backend is
+    set after the config is built, as vLLM would with ray installed.)"""
+    cfg = make_config(kv_eviction_policy="h2o", kv_budget_tokens=64)
+    cfg.parallel_config.pipeline_parallel_size = 2
+    cfg.parallel_config.distributed_executor_backend = "ray"
+    with pytest.raises(ValueError, match="pipeline parallelism on the Ray executor"):
+        cfg.vtoken_config.verify_and_update_config(cfg)

@@ -31,6 +31,7 @@ from tests.e2e.test_server import PROMPT, metric
 pytestmark = pytest.mark.e2e
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
+SERVER_LOGS: dict[str, pathlib.Path] = {}  # url -> its log, for failure messages
 LONG = " ".join(["the lighthouse keeper counted the waves"] * 20)  # ~140 tokens
 
 
@@ -46,6 +47,7 @@ def server_url(request, tmp_path_factory, engine_dir):
     try:
         with engine_driver.serve(cmd, log, timeout=240) as url:
             os.environ.pop("VTOKEN_CHECK_INTEGRITY")
+            SERVER_LOGS[url] = log
             yield url
     finally:
         os.environ.pop("VTOKEN_CHECK_INTEGRITY", None)
@@ -122,6 +124,9 @@ def test_a_hostile_mix_leaves_the_server_healthy_and_the_pool_empty(server_url):
         jobs = [pool.submit(fn, server_url, body) for fn, body in MIX]
         answers = [job.result(timeout=600) for job in jobs]
     statuses = [status for status, _ in answers]
+    pairs = zip(MIX, answers, strict=True)
+    bad = [(body, out) for (_, body), (status, out) in pairs if status >= 500]
+    assert not bad, (bad, engine_driver.server_errors(SERVER_LOGS[server_url]))
     assert set(statuses) <= {200, 400}, list(zip(MIX, answers, strict=True))
     assert statuses[MIX.index(EMBEDS)] == 200  # it used to kill the engine core
     status, out = send(server_url, CHOICE)  # evicted while it decodes

@@ -159,10 +159,29 @@ class VTokenConfig:
         if vllm_config.kv_transfer_config is not None:
             refuse("KV connectors", "they move blocks vToken is compacting")
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1 or parallel.tensor_parallel_size > 1:
+        if (
+            parallel.decode_context_parallel_size > 1
+            or parallel.prefill_context_parallel_size > 1
+        ):
             refuse(
-                "tensor or pipeline parallelism",
-                "attention scores are not yet reduced across ranks",
+                "context parallelism",
+                "it shards a request's tokens across ranks, and a Token Table "
+                "holds all of a request's tokens on every rank",
+            )
+        if (
+            parallel.pipeline_parallel_size > 1
+            and parallel.distributed_executor_backend == "ray"
+        ):
+            refuse(
+                "pipeline parallelism on the Ray executor",
+                "its compiled graph ends a step on the last stage only, where "
+                "the stages agree on scores and copies (use the mp executor)",
+            )
+        if parallel.enable_dbo:
+            refuse(
+                "--enable-dbo",
+                "it runs a step's batch as two micro-batches, and the token "
+                "read is built for the whole batch",
             )
         if envs.VLLM_USE_V2_MODEL_RUNNER:
             refuse("VLLM_USE_V2_MODEL_RUNNER=1", "vToken hooks the V1 model runner")

@@ -116,6 +116,11 @@ class ScoreAccumulator:
         else:
             self._step.index_add_(0, idx, mass)
 
+    def reduce_step(self, reduce) -> None:
+        """`reduce(step_buffer, aggregate)` in place: under TP and PP, every
+        rank's masses (each covers its heads of its layers; ranks.py)."""
+        reduce(self._step, self.aggregate)
+
     def finish_step(self, *step_args) -> None:
         """`fold(take_step(*step_args))`: both halves in one process (tests)."""
         self.fold(self.take_step(*step_args))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm.vtoken import integrity
 from vllm.vtoken.arena import lookup, ranges
 from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, set_token_read
@@ -34,6 +35,7 @@ from vllm.vtoken.copy_executor import KVCopyExecutor
 from vllm.vtoken.cpu_attention import build_cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
+from vllm.vtoken.ranks import Acks, RankGroups
 from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.staging import HostToDevice
@@ -111,12 +113,14 @@ class VTokenWorker:
         model = vllm_config.model_config
         self._max_model_len = model.max_model_len
         parallel = vllm_config.parallel_config
-        # Scores are summed over layers and query heads; normalise to a mean.
-        self._score_norm = float(
-            len(kv_caches) * model.get_num_attention_heads(parallel)
-        )
+        self._ranks = RankGroups.of(parallel)
+        # Scores are summed over layers and query heads (every rank's, under
+        # TP and PP: ranks.py); normalise to a mean.
+        local = len(kv_caches) * model.get_num_attention_heads(parallel)
+        self._score_norm = float(self._ranks.sum(local))
         self._pending: dict[int, MoveBatch] = {}
-        self._acked: list[int] = []
+        self._acks = Acks(self._ranks)
+        self._open = False  # a step began and has not ended
         self._read: TokenRead | None = None
         # The step's read, for folding scores: its request ids and the logical
         # token of each key (TokenRead.kv_slots order).
@@ -131,6 +135,7 @@ class VTokenWorker:
 
     @timed("worker_ns")
     def begin_step(self, so: SchedulerOutput) -> None:
+        self._open = True
         pool = self.pool
         pending_reqs = {r for b in self._pending.values() for r in b.req_ids}
         gone = so.finished_req_ids | (so.preempted_req_ids or set())
@@ -152,6 +157,7 @@ class VTokenWorker:
             if step.moves is not None:
                 m = step.moves
                 self._pending[m.batch_id] = m
+                self._acks.submitted(m.batch_id)
                 self.executor.submit(m.batch_id, m.src_slots, m.dst_slots)
         self.apply_moves()
 
@@ -161,7 +167,7 @@ class VTokenWorker:
         for batch_id in self.executor.poll():
             b = self._pending.pop(batch_id)
             self.pool.apply_moves(b.req_ids, b.indptr, b.idx, b.dst_slots)
-            self._acked.append(batch_id)
+            self._acks.completed()
 
     @timed("worker_ns")
     def prepare_attention(
@@ -270,19 +276,30 @@ class VTokenWorker:
         )
         return self.scores is not None and evict.score_mode is not None
 
+    def end_stage(self) -> None:
+        """PP, a rank before the last: its step ends when it has sent its
+        activations on (vLLM's sample_tokens), with the same agreement as
+        the last rank's `end_step`; only the last rank's output is kept."""
+        if self._open:
+            self.end_step()
+
     @timed("worker_ns")
     def end_step(self) -> VTokenWorkerOutput:
+        self._open = False
         read, self._read = self._read, None
         set_token_read(None)
         step_scores = None
         if read is not None and self.scores is not None:
             (rids, key_idx), self._read_keys = self._read_keys, None
             nq = np.diff(read.query_start_loc)
+            self.scores.reduce_step(self._ranks.reduce_scores)
             step_scores = self.scores.take_step(
                 rids, read.kv_indptr, key_idx, nq, self._score_norm
             )
         self.apply_moves()
-        acked, self._acked = self._acked, []
+        acked = self._acks.take()
+        if integrity.CHECK and not self._ranks.single:
+            self._ranks.check_same(self.pool, with_slots=not self._acks.in_flight)
         return VTokenWorkerOutput(
             acked_batches=acked,
             copy_bytes=self.executor.bytes_copied,
