@@ -19,5 +19,7 @@ tiny=$VTOKEN_CACHE/models/tiny-llama  # scale: dummy weights, a cheap forward
 "$VTOKEN_PY" scripts/prepare.py tiny-llama --out "$tiny" >&2
 bench scale --model "$tiny" --prompts random --batches 64 256 1024 --prompt-len 64 \
   --gen-len 64 --budget 32
+bench parallel --model "$tiny" --prompts random --requests 16 --prompt-len 96 \
+  --gen-len 64 --budget 48 --policies h2o streamingllm random --repeats 3
 "$VTOKEN_PY" scripts/bench_planner.py
 "$VTOKEN_PY" scripts/bench_report.py

@@ -29,7 +29,7 @@ log() { echo "[bench_gpu $(date -u +%H:%M:%S)] $*" >&2; }
 
 # Per model: memory (native + H2O naive/vtoken), capacity (bisection per mode),
 # SLA (3 servers) and overhead, these two for the first model only (time
-# budget). Random prompts: the weights are random, so only lengths matter.
+# budget), and with two GPUs TP=2 / PP=2 (parallel). Random prompts: the weights are random, so only lengths matter.
 if [ "$smoke" = 1 ]; then
   "$VTOKEN_REPO/scripts/setup_env.sh" >&2
   py=$VTOKEN_PY models="tiny-llama" out=${out:-$(mktemp -d)}
@@ -82,6 +82,11 @@ for model in $models; do
   if [ "$model" = "${models%% *}" ]; then
     bench sla "${sla[@]}"
     bench overhead "${ovh[@]}"
+    # Two GPUs or more: TP=2 and PP=2 against one GPU (retained blocks must
+    # match; the step time shows the score reduction's cost).
+    if [ "$smoke" = 0 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      bench parallel "${mem[@]}" --policies h2o streamingllm
+    fi
     if [ -n "${VTOKEN_QUALITY_MODEL:-}" ]; then  # quality needs real weights
       bench quality --model "$VTOKEN_QUALITY_MODEL" --prompts sharegpt --requests 16 \
         --prompt-len 1024 --gen-len 256 --engine-json "${eng/\"dummy\"/\"auto\"}"

@@ -286,6 +286,31 @@ def scale_section(d: dict, img: str) -> list[str]:
     return out + ["", f"![scale]({img}/scale.png)", ""]
 
 
+def parallel_section(d: dict, img: str) -> list[str]:
+    out = [
+        "## Tensor and pipeline parallelism",
+        "",
+        f"`{d['command']}` ({d['date']}). A dummy-weight two-layer Llama (4 query "
+        f"/ 2 KV heads), {d['requests']} random prompts of {d['prompt_len']} "
+        f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode, "
+        "vLLM's multiprocessing executor over gloo. Held blocks: the sum over "
+        "running requests, per step. Step time: median after the prefill, "
+        "against native at the same parallelism.",
+        "",
+        "| config | policy | mean held blocks | max held | evicted tokens | steps "
+        "| step ms | vs native |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, r in d["rows"].items():
+        config, policy = key.split("/")
+        out.append(
+            f"| {config} | {policy} | {r['mean_held_blocks']:.1f} "
+            f"| {r['max_held_blocks']} | {r['evicted_tokens']} | {r['steps']} "
+            f"| {r['step_ms']:.1f} | {r['step_ratio']:.2f} |"
+        )
+    return out + [""]
+
+
 SECTIONS = [
     ("memory", memory_section),
     ("capacity*", capacity_section),
@@ -295,6 +320,7 @@ SECTIONS = [
     ("prefix", prefix_section),
     ("quality", quality_section),
     ("scale", scale_section),
+    ("parallel", parallel_section),
 ]
 
 

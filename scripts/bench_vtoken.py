@@ -497,6 +497,42 @@ def plot_scale(data: dict, png: pathlib.Path) -> None:
         ax.legend()
 
 
+def cmd_parallel(args) -> dict:
+    """TP=2 and PP=2 against one rank, on the multiprocessing executor: the
+    blocks requests hold and the tokens evicted must match one rank's (every
+    rank frees a block at once), and each policy's step time against native
+    at the same parallelism (the score reduction's cost). A dummy-weight
+    model whose heads and layers divide by 2 (--model tiny-llama)."""
+    out = {}
+    for name, tp, pp in (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)):
+        size = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+        if tp * pp > 1:
+            size["distributed_executor_backend"] = "mp"
+        # The workload --repeats times on one engine (no prefix cache: each
+        # time alike), so the step time is a median over that many runs.
+        eng = engine_args(args, load_format="dummy", enable_prefix_caching=False)
+        waves = [workload(args, args.requests, 0)] * args.repeats
+        for policy in ["none", *args.policies]:
+            extra = policy_args(policy, args.budget, "vtoken")
+            runs = run_driver({"engine": {**eng, **size, **extra}, "waves": waves})
+            run = runs["waves"][0]
+            held = [sum(s["held"].values()) for s in run["steps"]]
+            steady = [s for w in runs["waves"] for s in w["steps"][2:]]
+            row = {
+                "step_ms": statistics.median(s["step_ms"] for s in steady),
+                "mean_held_blocks": statistics.fmean(held),
+                "max_held_blocks": max(held),
+                "steps": len(run["steps"]),
+                "evicted_tokens": (runs["counters"] or {}).get("evicted_tokens", 0)
+                // args.repeats,  # per run
+            }
+            row["step_ratio"] = row["step_ms"] / out.get(f"{name}/none", row)["step_ms"]
+            out[f"{name}/{policy}"] = row
+            print(f"parallel {name} {policy:13s} {row}")
+    keys = ("requests", "prompt_len", "gen_len", "budget", "repeats")
+    return {"rows": out, **pick(args, *keys)}
+
+
 EXPERIMENTS = {  # name: (run, plot or None)
     "memory": (cmd_memory, plot_memory),
     "capacity": (cmd_capacity, plot_capacity),
@@ -505,6 +541,7 @@ EXPERIMENTS = {  # name: (run, plot or None)
     "prefix": (cmd_prefix, None),
     "quality": (cmd_quality, plot_quality),
     "scale": (cmd_scale, plot_scale),
+    "parallel": (cmd_parallel, None),
 }
 
 

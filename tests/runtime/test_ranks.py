@@ -30,13 +30,12 @@ def agree(rank: int, init: str, out: str) -> None:
     group = SimpleNamespace(
         world_size=2, device_group=world, cpu_group=world, unique_name="tp:0"
     )
+    group.all_reduce = lambda t: (dist.all_reduce(t, group=world), t)[1]
     ranks, got = RankGroups([group]), {}
     step = torch.tensor([1.0 + rank, 2.0 * rank, 0.5])
-    ranks.reduce_scores(step, "mean")
-    got["sum"] = step.tolist()
+    got["sum"] = ranks.reduce_scores(step, "mean").tolist()
     step = torch.tensor([1.0 + rank, 2.0 * rank, 0.5])
-    ranks.reduce_scores(step, "max")
-    got["max"] = step.tolist()
+    got["max"] = ranks.reduce_scores(step, "max").tolist()
     got["host"] = [ranks.sum(3 + rank), ranks.min(3 + rank)]
 
     # Rank 1's copy of batch 11 is still in flight: only batch 10 is acked.
@@ -96,11 +95,29 @@ def test_tables_that_differ_across_ranks_fail_the_check(agreed):
 def test_one_rank_agrees_with_itself_without_a_process_group():
     ranks = RankGroups([])
     step = torch.tensor([0.25, 0.5])
-    ranks.reduce_scores(step, "mean")
-    assert step.tolist() == [0.25, 0.5] and ranks.single
+    assert ranks.reduce_scores(step, "mean").tolist() == [0.25, 0.5]
+    assert ranks.single
     assert ranks.sum(5) == 5 and ranks.min(5) == 5
     acks = Acks(ranks)
     acks.submitted(3)
     assert acks.in_flight and acks.take() == []
     acks.completed()
     assert acks.take() == [3] and not acks.in_flight
+
+
+def test_synchronous_copies_are_acked_without_asking_the_other_ranks():
+    """CPU: every rank's copy completes when submitted, in the same step."""
+
+    class NoCollectives(RankGroups):
+        def min(self, value: int) -> int:
+            raise AssertionError("a collective for synchronous copies")
+
+    ranks = NoCollectives([SimpleNamespace()])
+    acks = Acks(ranks, synchronous=True)
+    acks.submitted(12)
+    acks.completed()
+    assert not ranks.single and acks.take() == [12]
+    with pytest.raises(AssertionError, match="a collective"):
+        asynchronous = Acks(ranks)
+        asynchronous.submitted(13)
+        asynchronous.take()

@@ -52,12 +52,16 @@ class RankGroups:
     def single(self) -> bool:
         return not self._groups
 
-    def reduce_scores(self, step: torch.Tensor, aggregate: str) -> None:
-        """In place: every rank's per-key mass, summed ("mean") or the max."""
-        ops = torch.distributed.ReduceOp
-        op = ops.MAX if aggregate == "max" else ops.SUM
+    def reduce_scores(self, step: torch.Tensor, aggregate: str) -> torch.Tensor:
+        """Every rank's per-key mass, summed ("mean": vLLM's own all-reduce,
+        shared memory on CPU, custom or NCCL on GPU) or the max."""
         for g in self._groups:
-            torch.distributed.all_reduce(step, op=op, group=g.device_group)
+            if aggregate == "max":
+                max_op = torch.distributed.ReduceOp.MAX
+                torch.distributed.all_reduce(step, op=max_op, group=g.device_group)
+            else:
+                step = g.all_reduce(step)
+        return step
 
     def sum(self, value: int) -> int:
         return self._host(value, torch.distributed.ReduceOp.SUM)
@@ -89,8 +93,11 @@ class Acks:
     its copy has completed on every rank: only then may the scheduler free
     its sources."""
 
-    def __init__(self, ranks: RankGroups) -> None:
+    def __init__(self, ranks: RankGroups, synchronous: bool = False) -> None:
+        """`synchronous`: copies complete when submitted (CPU), on every rank
+        in the same step, so the ranks need not compare."""
         self._ranks = ranks
+        self._agree = not (ranks.single or synchronous)
         self._ids: list[int] = []
         self._done = 0  # the first _done of _ids completed on this rank
 
@@ -109,7 +116,7 @@ class Acks:
         """The batches completed on every rank, each once (a collective
         under TP/PP when any is in flight)."""
         done = self._done
-        if self._ids and not self._ranks.single:
+        if self._ids and self._agree:
             done = self._ranks.min(done)
         acked, self._ids = self._ids[:done], self._ids[done:]
         self._done -= done

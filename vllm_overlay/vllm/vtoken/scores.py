@@ -117,9 +117,10 @@ class ScoreAccumulator:
             self._step.index_add_(0, idx, mass)
 
     def reduce_step(self, reduce) -> None:
-        """`reduce(step_buffer, aggregate)` in place: under TP and PP, every
-        rank's masses (each covers its heads of its layers; ranks.py)."""
-        reduce(self._step, self.aggregate)
+        """The step buffer becomes `reduce(step_buffer, aggregate)`: under TP
+        and PP, every rank's masses (each covers its heads of its layers;
+        ranks.py)."""
+        self._step = reduce(self._step, self.aggregate)
 
     def finish_step(self, *step_args) -> None:
         """`fold(take_step(*step_args))`: both halves in one process (tests)."""

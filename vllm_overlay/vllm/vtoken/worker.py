@@ -119,7 +119,7 @@ class VTokenWorker:
         local = len(kv_caches) * model.get_num_attention_heads(parallel)
         self._score_norm = float(self._ranks.sum(local))
         self._pending: dict[int, MoveBatch] = {}
-        self._acks = Acks(self._ranks)
+        self._acks = Acks(self._ranks, synchronous=layout == "cpu")
         self._open = False  # a step began and has not ended
         self._read: TokenRead | None = None
         # The step's read, for folding scores: its request ids and the logical
