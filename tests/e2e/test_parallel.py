@@ -1,6 +1,6 @@
-"""vToken past one worker: tensor and pipeline parallelism on vLLM's
-multiprocessing executor (gloo on CPU), with a dummy-weight two-layer Llama
-whose 4 query / 2 KV heads and 2 layers divide by 2.
+"""vToken past one worker: tensor and pipeline parallelism (and both) on
+vLLM's multiprocessing executor (gloo on CPU), with a dummy-weight two-layer
+Llama whose 4 query / 2 KV heads and 2 layers divide by 2.
 
 One engine per configuration serves every policy of the "sum" score mode as
 one wave each (per-request `kv_eviction_policy`); SnapKV and Scissorhands,
@@ -8,9 +8,9 @@ which need scores of their own, get an engine each at TP=2. Every engine runs
 with VTOKEN_CHECK_INTEGRITY=1, so each rank checks its Token Tables against
 the other ranks' after every step (ranks.py).
 
-Oracles: vtoken == naive token for token at TP=2 and PP=2; a score-free
-policy evicts the same tokens at TP=2 and PP=2 as at TP=1; H2O's scores,
-reduced over the ranks, equal TP=1's to 1e-4 and it evicts the same tokens.
+Oracles: vtoken == naive token for token at TP=2, PP=2 and TP=2 x PP=2; every
+policy evicts the same tokens there as on one rank; H2O's scores, reduced over
+the ranks, equal one rank's to 1e-4.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ pytestmark = pytest.mark.e2e
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUDGET = 48
 SUM_POLICIES = ["h2o", "streamingllm", "random"]  # one engine (h2o's scores)
+CONFIGS = ["tp2", "pp2", "tp2pp2"]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,7 @@ def run(model: str, policy: str, reclaim: str, tp=1, pp=1, waves=None) -> list:
 def sum_runs(tiny_llama) -> dict[str, list]:
     """Each configuration's waves, one per policy in SUM_POLICIES."""
     configs = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
+    configs["tp2pp2"] = {"tp": 2, "pp": 2}
     runs = {}
     for name, size in configs.items():
         for reclaim in ("vtoken", "naive") if name != "tp1" else ("vtoken",):
@@ -93,21 +95,21 @@ def check_vtoken_equals_naive(vtoken: dict, naive: dict) -> None:
         assert w["free_end"] == w["free_start"]
 
 
-@pytest.mark.parametrize("config", ["tp2", "pp2"])
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("k", range(len(SUM_POLICIES)), ids=SUM_POLICIES)
 def test_vtoken_equals_naive(sum_runs, config, k):
     vtoken, naive = sum_runs[f"{config}-vtoken"][k], sum_runs[f"{config}-naive"][k]
     check_vtoken_equals_naive(vtoken, naive)
 
 
-@pytest.mark.parametrize("config", ["tp2", "pp2"])
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("k", range(len(SUM_POLICIES)), ids=SUM_POLICIES)
 def test_the_same_tokens_die_as_on_one_rank(sum_runs, config, k):
     one, many = sum_runs["tp1-vtoken"][k], sum_runs[f"{config}-vtoken"][k]
     assert many["dead"] == one["dead"]
 
 
-@pytest.mark.parametrize("config", ["tp2", "pp2"])
+@pytest.mark.parametrize("config", CONFIGS)
 def test_h2o_scores_are_reduced_over_every_rank(sum_runs, config):
     """Each rank sees its heads (TP) or its layers (PP): unreduced, a score
     would be about half of TP=1's."""
