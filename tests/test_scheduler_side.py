@@ -24,7 +24,13 @@ def deep_checks(monkeypatch):
     monkeypatch.setattr(integrity, "CHECK", True)
 
 
-def setup(reclaim: str, caching: bool = False, embeds: bool = False, blocks=16):
+def setup(
+    reclaim: str,
+    caching: bool = False,
+    embeds: bool = False,
+    blocks=16,
+    policy="streamingllm",
+):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import (
@@ -50,9 +56,9 @@ def setup(reclaim: str, caching: bool = False, embeds: bool = False, blocks=16):
         enable_caching=caching,
     )
     cfg = VTokenConfig(
-        kv_eviction_policy="streamingllm",
+        kv_eviction_policy=policy,
         kv_budget_tokens=6,
-        kv_eviction_config={"num_sinks": 1},
+        kv_eviction_config={"num_sinks": 1} if policy == "streamingllm" else {},
         kv_reclaim=reclaim,
         kv_reclaim_threshold=1.0,
     )
@@ -356,3 +362,33 @@ def test_no_eviction_while_the_requests_last_step_is_in_flight():
     vt.begin_step([req])  # now it has: 12 live > budget 6
     assert vt.make_stats([req]).evicted_tokens == 6
     vt.check_integrity()
+
+
+def test_gains_of_a_batch_in_flight_when_its_request_was_preempted_are_dropped():
+    """PP's batch queue: a request is preempted (its scores restart) while a
+    batch that read it is in flight; that batch's gains predate the restart.
+    They were folded back in; a later batch's are folded as usual."""
+    from vllm.vtoken.messages import ScoreStep, VTokenWorkerOutput
+
+    kv, vt, req = setup("vtoken", policy="h2o")
+    idx = np.arange(12)
+
+    def gains(value: float) -> VTokenWorkerOutput:
+        step = ScoreStep(
+            req_ids=["A"],
+            indptr=np.array([0, 12]),
+            key_idx=idx,
+            gain=np.full(12, value, np.float32),
+        )
+        return VTokenWorkerOutput(scores=step)
+
+    vt.begin_step([])
+    assert kv.allocate_slots(req, 12) is not None
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 12}))  # batch 1
+    vt.on_preempt(req)  # while batch 1 is in flight
+    kv.free(req)
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={}))  # batch 2
+    vt.on_output(gains(0.5))  # batch 1's: stale
+    assert not vt.scores.scores("A", idx).any()
+    vt.on_output(gains(0.25))  # batch 2's
+    np.testing.assert_allclose(vt.scores.scores("A", idx), 0.25)

@@ -19,9 +19,8 @@ Per step, for the whole batch at once (docs/DESIGN.md §7.1):
                freed at once (that alone is the paper's Naive-Evict);
   end_step     the step's new tokens get their slots; in vtoken mode the planner
                moves the live tokens of under-used blocks into holes;
-  on_output    the worker's acknowledgements: `apply_moves` switches each
-               completed batch's tokens to their new slots and frees the
-               emptied source blocks.
+  on_output    the worker's scores and acks: `apply_moves` switches each copied
+               batch's tokens to their new slots, frees the emptied sources.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from vllm.vtoken import integrity
 from vllm.vtoken.arena import segments
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
-from vllm.vtoken.integrity import check_blocks
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.reclaimer import BlockReclaimer
@@ -98,6 +96,10 @@ class VTokenScheduler:
         self._plan_due: set[str] = set()
         # This step's evictions (request ids, counts, idx), for VTokenStep.
         self._step_dead: list[tuple[list[str], np.ndarray, np.ndarray]] = []
+        # Batches scheduled, outputs taken; preempted request -> batches before
+        # it (PP's batch queue: in flight), whose gains for it are not folded.
+        self._num_steps = self._num_outputs = 0
+        self._stale: dict[str, int] = {}
         self.counters = VTokenCounters()
         self._last_counters = VTokenCounters()
         self.reclaimer = BlockReclaimer(
@@ -105,8 +107,7 @@ class VTokenScheduler:
         )
 
     @property
-    def scores(self) -> ScoreAccumulator | None:
-        """The running scores (None: the engine's policy reads none)."""
+    def scores(self) -> ScoreAccumulator | None:  # None: no policy reads any
         return self._scores
 
     # ------------------------------------------------------------ step hooks
@@ -163,6 +164,7 @@ class VTokenScheduler:
     @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
         """Slot this step's tokens, plan compaction, build the worker's message."""
+        self._num_steps += 1
         self._sync_slots(so.num_scheduled_tokens)
         moves = None
         if self.cfg.compaction and self._plan_due:
@@ -199,10 +201,14 @@ class VTokenScheduler:
     @timed("scheduler_ns")
     def on_output(self, out: VTokenWorkerOutput | None) -> None:
         """Take the worker's scores and apply its acknowledged move batches."""
+        k = self._num_outputs = self._num_outputs + 1  # batch k's output
+        stale = {r for r, n in self._stale.items() if n >= k}
+        self._stale = {r: n for r, n in self._stale.items() if n > k}
         if out is None:
             return
         if out.scores is not None and self._scores is not None:
-            self._scores.fold(out.scores, known=self._reqs)
+            known = self._reqs.keys() - stale if stale else self._reqs
+            self._scores.fold(out.scores, known=known)
         self.counters.copy_bytes = out.copy_bytes
         self.counters.worker_ns = out.host_ns
         for batch_id in out.acked_batches:
@@ -211,12 +217,10 @@ class VTokenScheduler:
             self.check_integrity()
 
     def apply_moves(self, batch_id: int) -> None:
-        """The paper's `apply_moves`: the worker has copied batch `batch_id`.
-
-        Its tokens switch to their destination slots in the Token Tables and
-        the emptied source blocks go back to the pool. Requests that finished
-        or were preempted while it was copying dropped their part already.
-        """
+        """The paper's `apply_moves`: the worker has copied batch `batch_id`,
+        so its tokens switch to their new slots and the emptied sources go
+        back to the pool (requests that finished or were preempted meanwhile
+        dropped their part already)."""
         batch = self.reclaimer.pop_batch(batch_id)
         recs = [self._reqs.get(rid) for rid in batch.req_ids]
         keep = [r is not None and r.move_batch == batch_id for r in recs]
@@ -231,13 +235,11 @@ class VTokenScheduler:
             self.counters.moved_tokens += int(n)
 
     def on_preempt(self, req: Request) -> None:
-        """Before vLLM frees a preempted request's blocks.
-
-        Goes: the slots (every block is freed next), the scores (they restart
-        with the slots), in-flight moves, the freed-block count. Stays: the
-        logical dead set, this step's dead list (the worker must learn it
-        too) and the count since the last plan.
-        """
+        """Before vLLM frees a preempted request's blocks. Goes: the slots
+        (its blocks are freed next), the scores (they restart with the slots),
+        in-flight moves, the freed-block count. Stays: the logical dead set,
+        this step's dead list (the worker must learn it) and the count since
+        the last plan."""
         rec = self._reqs.get(req.request_id)
         if rec is None:
             return
@@ -246,6 +248,7 @@ class VTokenScheduler:
         self.runtime.reset_scores(req.request_id)
         if self._scores is not None:  # they restart with the slots
             self._scores.release(req.request_id)
+            self._stale[req.request_id] = self._num_steps
         self.reclaimer.drop_moves(rec)
         rec.nulls = 0
 
@@ -338,7 +341,7 @@ class VTokenScheduler:
     # ------------------------------------------------------------ invariants
     def check_integrity(self) -> None:
         """docs/DESIGN.md §4, across the Token Tables and vLLM's block pool."""
-        check_blocks(
+        integrity.check_blocks(
             self.pool, self.block_pool, self.reclaimer.req_to_blocks, self._reqs
         )
 
