@@ -303,3 +303,10 @@ def test_pipeline_parallelism_on_ray_is_refused():
     cfg.parallel_config.distributed_executor_backend = "ray"
     with pytest.raises(ValueError, match="pipeline parallelism on the Ray executor"):
         cfg.vtoken_config.verify_and_update_config(cfg)
+
+
+def test_a_pooling_model_is_refused():
+    """(Review) A pooling step returns before the worker's end_step."""
+    with pytest.raises(Exception) as err:
+        make_config(kv_eviction_policy="h2o", kv_budget_tokens=64, runner="pooling")
+    assert "does not support pooling models" in str(err.value)

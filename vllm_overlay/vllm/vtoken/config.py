@@ -209,6 +209,12 @@ class VTokenConfig:
                 refuse("hybrid, MLA or attention-free models", "one KV layout only")
             if model.is_encoder_decoder:
                 refuse("encoder-decoder models", "cross-attention KV is not a token")
+            if model.runner_type == "pooling":
+                refuse(
+                    "pooling models",
+                    "a pooling step returns before vToken's step ends, so its "
+                    "KV moves would never be acknowledged",
+                )
             if model.is_multimodal_model:
                 refuse(
                     "multimodal models",
