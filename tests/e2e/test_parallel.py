@@ -109,11 +109,7 @@ def test_the_same_tokens_die_as_on_one_rank(sum_runs, config, k):
     assert many["dead"] == one["dead"]
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-def test_h2o_scores_are_reduced_over_every_rank(sum_runs, config):
-    """Each rank sees its heads (TP) or its layers (PP): unreduced, a score
-    would be about half of TP=1's."""
-    one, many = sum_runs["tp1-vtoken"][0], sum_runs[f"{config}-vtoken"][0]
+def check_same_scores(one: dict, many: dict) -> None:
     assert one["scores"].keys() == many["scores"].keys() and one["scores"]
     for rid, (idx, score) in one["scores"].items():
         idx2, score2 = many["scores"][rid]
@@ -121,11 +117,23 @@ def test_h2o_scores_are_reduced_over_every_rank(sum_runs, config):
         np.testing.assert_allclose(score2, score, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_h2o_scores_are_reduced_over_every_rank(sum_runs, config):
+    """Each rank sees its heads (TP) or its layers (PP): unreduced, a score
+    would be about half of TP=1's."""
+    check_same_scores(sum_runs["tp1-vtoken"][0], sum_runs[f"{config}-vtoken"][0])
+
+
 @pytest.mark.parametrize("policy", ["scissorhands", "snapkv"])
 def test_score_policies_of_their_own_at_tp2(tiny_llama, policy):
+    """Persistence and window scores: vtoken == naive at TP=2, and the same
+    tokens die, with the same scores, as on one rank."""
+    one = run(tiny_llama, policy, "vtoken")[0]
     vtoken = run(tiny_llama, policy, "vtoken", tp=2)[0]
     naive = run(tiny_llama, policy, "naive", tp=2)[0]
     check_vtoken_equals_naive(vtoken, naive)
+    assert vtoken["dead"] == one["dead"]
+    check_same_scores(one, vtoken)
 
 
 def per_engine(text: str, name: str) -> dict[str, float]:

@@ -286,6 +286,8 @@ class VTokenWorker:
     @timed("worker_ns")
     def end_step(self) -> VTokenWorkerOutput:
         self._open = False
+        if integrity.CHECK and not self._ranks.single:  # before a reduce over them
+            self._ranks.check_same(self.pool, with_slots=not self._acks.in_flight)
         read, self._read = self._read, None
         set_token_read(None)
         step_scores = None
@@ -298,8 +300,6 @@ class VTokenWorker:
             )
         self.apply_moves()
         acked = self._acks.take()
-        if integrity.CHECK and not self._ranks.single:
-            self._ranks.check_same(self.pool, with_slots=not self._acks.in_flight)
         return VTokenWorkerOutput(
             acked_batches=acked,
             copy_bytes=self.executor.bytes_copied,
