@@ -236,20 +236,31 @@ def prefix_section(d: dict, img: str) -> list[str]:
     return out + [""]
 
 
-def quality_section(d: dict, img: str) -> list[str]:
-    out = [
-        "## Output quality under eviction",
+def table_head(title: str, intro: str, columns: dict[str, str]) -> list[str]:
+    """A section's title, intro and table header; `columns`: header -> "l" or
+    "r" (its alignment)."""
+    return [
+        f"## {title}",
         "",
+        intro,
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "".join("---:|" if a == "r" else "---|" for a in columns.values()),
+    ]
+
+
+def quality_section(d: dict, img: str) -> list[str]:
+    out = table_head(
+        "Output quality under eviction",
         f"`{d['command']}` ({d['date']}). {d['requests']} ShareGPT prompts of "
         f"{d['prompt_len']} tokens, {d['gen_len']} generated; budgets as a share "
         "of the whole sequence (200%: nothing can be evicted). Agreement of greedy "
         "outputs with native's; log-prob drop: native's mean log-probability of "
         "its own tokens minus the evicted run's, teacher-forced along them.",
-        "",
-        "| policy | budget | exact match | common prefix (tokens) | ROUGE-L "
-        "| log-prob drop | evicted | moved |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+        {"policy": "l", "budget": "r", "exact match": "r"}
+        | {"common prefix (tokens)": "r", "ROUGE-L": "r", "log-prob drop": "r"}
+        | {"evicted": "r", "moved": "r"},
+    )
     for key, r in d["results"].items():
         policy, share = key.split("/")
         out.append(
@@ -261,19 +272,16 @@ def quality_section(d: dict, img: str) -> list[str]:
 
 
 def scale_section(d: dict, img: str) -> list[str]:
-    out = [
-        "## Per-step cost at large batches",
-        "",
+    out = table_head(
+        "Per-step cost at large batches",
         f"`{d['command']}` ({d['date']}). A dummy-weight two-layer Llama (the "
         f"forward is cheap, host work shows), random prompts of {d['prompt_len']} "
         f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode; "
         "medians over the steps where every request runs. Host time: wall time "
         "inside vToken's hooks, both sides (`scheduler_ns` + `worker_ns`).",
-        "",
-        "| running | policy | step ms | native step ms | ratio | vToken host ms "
-        "| planner ms per plan |",
-        "|---:|---|---:|---:|---:|---:|---:|",
-    ]
+        {"running": "r", "policy": "l", "step ms": "r", "native step ms": "r"}
+        | {"ratio": "r", "vToken host ms": "r", "planner ms per plan": "r"},
+    )
     for key, r in d["rows"].items():
         n, policy = key.split("/")
         if policy == "none":
@@ -287,20 +295,17 @@ def scale_section(d: dict, img: str) -> list[str]:
 
 
 def parallel_section(d: dict, img: str) -> list[str]:
-    out = [
-        "## Tensor and pipeline parallelism",
-        "",
+    out = table_head(
+        "Tensor and pipeline parallelism",
         f"`{d['command']}` ({d['date']}). A dummy-weight two-layer Llama (4 query "
         f"/ 2 KV heads), {d['requests']} random prompts of {d['prompt_len']} "
         f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode, "
         "vLLM's multiprocessing executor over gloo. Held blocks: the sum over "
         "running requests, per step. Step time: median after the prefill, "
         "against native at the same parallelism.",
-        "",
-        "| config | policy | mean held blocks | max held | evicted tokens | steps "
-        "| step ms | vs native |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+        {"config": "l", "policy": "l", "mean held blocks": "r", "max held": "r"}
+        | {"evicted tokens": "r", "steps": "r", "step ms": "r", "vs native": "r"},
+    )
     for key, r in d["rows"].items():
         config, policy = key.split("/")
         out.append(
