@@ -258,3 +258,37 @@ def test_a_batch_whose_requests_left_applies_to_the_rest(monkeypatch, check):
     )
     np.testing.assert_array_equal(pool.slots("c"), [14, 9])
     pool.check_integrity()
+
+
+def test_dead_since_mark_counts_evictions_and_recounted_tokens():
+    pool = make_pool(a=[12, 13, 14, 15, 40, 41], b=[8, 9, 10])
+    rows = pool.rows(["a", "b"])
+    np.testing.assert_array_equal(pool.dead_since_mark_rows(rows), [0, 0])
+    pool.evict("a", np.array([1, 2]))
+    pool.evict("b", np.array([0]))
+    np.testing.assert_array_equal(pool.dead_since_mark_rows(rows), [2, 1])
+    pool.mark_rows(rows[:1])  # "a" planned: starts over
+    np.testing.assert_array_equal(pool.dead_since_mark_rows(rows), [0, 1])
+    pool.evict("a", np.array([3]))
+    pool.append("a", np.array([42]))  # a new token is live: no change
+    np.testing.assert_array_equal(pool.dead_since_mark_rows(rows), [1, 1])
+    # A resumed request recomputes its 3 dead tokens: they count again.
+    pool.mark_rows(rows[:1], recounted=np.array([3]))
+    np.testing.assert_array_equal(pool.dead_since_mark_rows(rows), [4, 1])
+    pool.release("a")
+    pool.add_request("c")  # takes a's row, from zero
+    assert pool.dead_since_mark_rows(pool.rows(["c"]))[0] == 0
+
+
+@pytest.mark.parametrize("n", [3, 200])  # few ids (np.unique), many (bincount)
+def test_add_counts_counts_each_occurrence(n):
+    from vllm.vtoken.arena import add_counts
+
+    rng = np.random.default_rng(n)
+    ids = rng.integers(0, 20, n)
+    counts = np.full(20, 5, np.int32)
+    want = counts.copy()
+    np.add.at(want, ids, -2)
+    add_counts(counts, ids, -2)
+    np.testing.assert_array_equal(counts, want)
+    assert counts.dtype == np.int32

@@ -19,6 +19,7 @@ Entries outside what a row uses hold the array's fill value.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 from operator import itemgetter
 
 import numpy as np
@@ -49,6 +50,24 @@ def segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     seg = np.repeat(np.arange(counts.size), counts)
     k = np.arange(seg.size, dtype=np.int64) - (np.cumsum(counts) - counts)[seg]
     return seg, k
+
+
+def add_counts(counts: np.ndarray, ids: np.ndarray, delta: int) -> None:
+    """counts[ids] += delta, once per occurrence (np.add.at, which is slow:
+    a bincount over `counts` for many ids, np.unique over the ids for few)."""
+    if not ids.size:
+        return
+    if 8 * ids.size >= counts.size:
+        n = np.bincount(ids, minlength=counts.size)
+        counts += (n * delta).astype(counts.dtype)
+    else:
+        u, n = np.unique(ids, return_counts=True)
+        counts[u] += (n * delta).astype(counts.dtype)
+
+
+def attrs(objs: Sequence, getter) -> np.ndarray:
+    """int64 [n]: getter(obj) of each of `objs` (an attrgetter: the loop in C)."""
+    return np.fromiter(map(getter, objs), np.int64, len(objs))
 
 
 def lookup(table: dict, keys: Sequence, dtype=np.int64) -> np.ndarray:
@@ -113,7 +132,7 @@ class RowArena:
     def rows_or_missing(self, keys: Sequence[str]) -> np.ndarray:
         """int64 [R]: the rows of `keys`, -1 for a key without one."""
         get = self.index.get
-        return np.fromiter((get(k, -1) for k in keys), np.int64, len(keys))
+        return np.fromiter(map(get, keys, repeat(-1)), np.int64, len(keys))
 
     def span(self, row: int, n: int) -> slice:
         """The arena entries of a row's first `n`."""

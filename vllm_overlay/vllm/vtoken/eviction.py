@@ -10,14 +10,14 @@ request has its own generator (seeding.py): results do not depend on batch order
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import lookup, ranges
+from vllm.vtoken.arena import ranges
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.policies.base import (
     BatchView,
@@ -86,10 +86,11 @@ class EvictionRuntime:
         if budget is not None:
             self._policies[(policy.name, budget)] = policy
         self._reqs: dict[str, _Evicting] = {}
-        # For the batch path: each request's budget (never reached without a
-        # policy) and its policy's position in `_by_index`.
-        self._budget: dict[str, int] = {}
-        self._pix: dict[str, int] = {}
+        # For the batch path, by Token Table row: each request's budget (never
+        # reached without a policy), its policy's position in `_by_index`, and
+        # its batch seed.
+        names = ("budget", "pix", "seed")
+        self._by_row = {name: np.zeros(0, np.int64) for name in names}
         self._by_index: list[EvictionPolicy | None] = [None]
 
     def sync_new_tokens(
@@ -128,12 +129,17 @@ class EvictionRuntime:
         self.pool.add_request(req_id)
         key = req_id.encode() if rng_key is None else rng_key
         r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
-        evicts = r.policy is not None
-        self._budget[req_id] = r.budget if evicts else np.iinfo(np.int64).max
         known = [i for i, p in enumerate(self._by_index) if p is r.policy]
         if not known:  # by identity: a plug-in may define __eq__
             self._by_index.append(r.policy)
-        self._pix[req_id] = known[0] if known else len(self._by_index) - 1
+        row, cols = int(self.pool.rows([req_id])[0]), self._by_row
+        if row >= cols["budget"].size:  # the pool's rows grew
+            for name, col in cols.items():
+                cols[name] = np.r_[col, np.zeros(max(16, col.size), np.int64)]
+        evicts = r.policy is not None
+        cols["budget"][row] = r.budget if evicts else np.iinfo(np.int64).max
+        cols["pix"][row] = known[0] if known else len(self._by_index) - 1
+        cols["seed"][row] = r.seed
 
     def sync_rows(self, req_ids: list[str], counts: np.ndarray, slots) -> None:
         """`sync_new_tokens` for registered requests at once: req_ids[k]
@@ -144,7 +150,7 @@ class EvictionRuntime:
         num_new = self.pool.num_tokens_rows(rows) - before
         if not num_new.any():
             return
-        pix = lookup(self._pix, req_ids)
+        pix = self._by_row["pix"][rows]
         for p in np.unique(pix[num_new > 0]):
             policy = self._by_index[p]
             if policy is None or not _syncs(policy):
@@ -175,26 +181,27 @@ class EvictionRuntime:
         return self.enforce_budgets([req_id], np.array([num_attended]))[2]
 
     def enforce_budgets(
-        self, req_ids: list[str], num_attended: np.ndarray
+        self, req_ids: list[str], num_attended: np.ndarray, rows=None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`enforce_budget` for a batch: a fixed number of NumPy calls per
-        policy in use, whatever the number of requests.
+        policy in use, whatever the number of requests. `rows`: their Token
+        Table rows, when the caller has them.
 
         Returns:
             (which, counts, idx): requests req_ids[which[k]] lost counts[k]
             tokens, the k-th run of `idx` (ascending within the run).
         """
-        rows = self.pool.rows(req_ids)
-        excess = self.pool.num_live_rows(rows) - lookup(self._budget, req_ids)
+        rows = self.pool.rows(req_ids) if rows is None else rows
+        excess = self.pool.num_live_rows(rows) - self._by_row["budget"][rows]
         over = np.flatnonzero(excess > 0)
         out = [(np.zeros(0, np.int64),) * 3]
         if over.size:
-            ids = [req_ids[i] for i in over]
-            pix = lookup(self._pix, ids)
+            ids = [req_ids[i] for i in over.tolist()]
+            pix = self._by_row["pix"][rows[over]]
             for p in np.unique(pix):
                 sel = np.flatnonzero(pix == p)
                 policy = self._by_index[p]
-                group = [ids[i] for i in sel]
+                group = ids if sel.size == len(ids) else [ids[i] for i in sel]
                 att = np.asarray(num_attended)[over[sel]]
                 counts, idx = self._evict_group(
                     policy, group, rows[over[sel]], att, excess[over[sel]]
@@ -215,17 +222,9 @@ class EvictionRuntime:
         if policy.score_mode is not None:
             scores = self._batch_scores(policy, ids, idx, seg)
         evictable = idx < (attended - 1)[seg]
-        reqs = [self._reqs[r] for r in ids]
-        batch = BatchView(
-            ids,
-            indptr,
-            seg,
-            idx,
-            evictable,
-            scores,
-            np.fromiter((r.seed for r in reqs), np.uint64, len(reqs)),
-            [r.rng for r in reqs],
-        )
+        seeds = self._by_row["seed"][rows].astype(np.uint64)
+        rngs = _Generators(self._reqs, ids)
+        batch = BatchView(ids, indptr, seg, idx, evictable, scores, seeds, rngs)
         counts, chosen = policy.evict_batch(batch, excess)
         counts, chosen = np.asarray(counts, np.int64), np.asarray(chosen, np.int64)
         cseg = np.repeat(np.arange(counts.size), counts)
@@ -262,7 +261,6 @@ class EvictionRuntime:
         """Forgets a finished or aborted request (pool, generator, policy state)."""
         self.pool.release(req_id)
         r = self._reqs.pop(req_id)
-        del self._budget[req_id], self._pix[req_id]
         if r.policy is not None:
             r.policy.release(req_id)
 
@@ -298,6 +296,21 @@ class EvictionRuntime:
             rng=self._reqs[req_id].rng,
             seed=self._reqs[req_id].seed,
         )
+
+
+class _Generators(Sequence):
+    """`BatchView.rngs`, looked up only when a policy reads one."""
+
+    def __init__(self, reqs: dict[str, _Evicting], ids: list[str]) -> None:
+        self._reqs, self._ids = reqs, ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self._reqs[i].rng for i in self._ids[r]]
+        return self._reqs[self._ids[r]].rng
 
 
 def _syncs(policy: EvictionPolicy) -> bool:

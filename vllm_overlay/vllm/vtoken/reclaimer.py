@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Scheduler side: evicted tokens become free blocks in vLLM's block pool.
 
-Two ways, both ending in `release_blocks` (null-replace in the request's
-positional block list, then `BlockPool.free_blocks`):
+Two ways, both ending in `_null_out` (null-replace in the request's
+positional block list) and `BlockPool.free_blocks`:
 
   naive-evict   a block whose last live token died is freed at once
                 (`free_empty_blocks`);
@@ -28,7 +28,7 @@ pass over a request's list in Python.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from itertools import chain, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -97,31 +97,60 @@ class BlockReclaimer:
                 self.blocks.stop_caching(rid, self._num_cached_block[rid])
             self._num_cached_block[rid] = _NEVER
 
-    def free_empty_blocks(self, rid: str, rec: RequestState, dead: np.ndarray) -> None:
-        """Free blocks of `rid` whose last live token just died (Naive-Evict)."""
-        B = self.block_size
+    def free_empty_blocks(self, rids, seg, dead, recs: Mapping) -> None:
+        """Free the blocks whose last live token just died (Naive-Evict), for
+        the batch at once: tokens dead[j] of request rids[seg[j]] died (int
+        arrays); `recs` holds their RequestStates."""
+        B, pool = self.block_size, self.pool
+        rows = pool.rows(rids)
         # Only blocks every token of which has been written: a block still
         # being filled (e.g. by a chunked recompute) may get live tokens yet.
-        dead = dead[dead < self.pool.num_slotted(rid) // B * B]
-        ids = np.unique(self.pool.slots(rid)[dead] // B)
-        ids = ids[self.pool.block_live[ids] == 0].tolist()
-        ids = [b for b in ids if b not in self._busy]
-        # Its own (unshared) ones, in list order.
-        held = map(self.positional(rid).__getitem__, self.blocks.find(rid, ids))
-        self.release_blocks(rid, rec, [b for b in held if b.ref_cnt == 1])
+        full = dead < (pool.num_slotted_rows(rows) // B * B)[seg]
+        seg, blk = seg[full], pool.tokens_at(rows, seg[full], dead[full]) // B
+        empty = pool.block_live[blk] == 0
+        if not empty.any():
+            return
+        # Each (request, block) once, by request then block id.
+        key = np.unique(seg[empty] * pool.num_blocks + blk[empty])
+        seg, blk = key // pool.num_blocks, key % pool.num_blocks
+        if self._busy:
+            busy = self._busy.__contains__
+            idle = ~np.fromiter(map(busy, blk.tolist()), bool, blk.size)
+            seg, blk = seg[idle], blk[idle]
+        cut = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]][: seg.size]).tolist()
+        freed = []
+        for k, lo, hi in zip(seg[cut].tolist(), cut, cut[1:] + [seg.size], strict=True):
+            rid, held = rids[k], self.positional(rids[k])
+            entries = self.blocks.find(rid, blk[lo:hi].tolist())
+            # Its own (unshared) ones, in list order.
+            entries = [i for i in entries if held[i].ref_cnt == 1]
+            freed += self._null_out(rid, recs[rid], entries)
+        self._free(freed)
 
     def release_blocks(
         self, rid: str, rec: RequestState, blocks: list[KVCacheBlock]
     ) -> None:
-        """Null-replace `blocks` of `rid` in its block table, then free them."""
-        if not blocks:
-            return
-        null = self.block_pool.null_block
-        for i in self.blocks.find(rid, (b.block_id for b in blocks)):
+        """Null-replace `blocks` of `rid` in its block table (those still in
+        it: not a displaced source), then free them."""
+        entries = self.blocks.find(rid, (b.block_id for b in blocks))
+        self._null_out(rid, rec, entries)
+        self._free(blocks)
+
+    def _null_out(
+        self, rid: str, rec: RequestState, entries: list[int]
+    ) -> list[KVCacheBlock]:
+        """Entries of `rid`'s list become the null block; returns what they held."""
+        held, null = self.positional(rid), self.block_pool.null_block
+        out = [held[i] for i in entries]
+        for i in entries:
             self.blocks.replace(rid, i, null)
-            rec.nulls += 1
-        self.block_pool.free_blocks(blocks)
-        self.counters.reclaimed_blocks += len(blocks)
+        rec.nulls += len(entries)
+        return out
+
+    def _free(self, blocks: list[KVCacheBlock]) -> None:
+        if blocks:
+            self.block_pool.free_blocks(blocks)
+            self.counters.reclaimed_blocks += len(blocks)
 
     def pop_batch(self, batch_id: int) -> MoveBatch:
         """An acknowledged batch: its destinations may be freed again."""
@@ -161,31 +190,36 @@ class BlockReclaimer:
 
     def plan(
         self,
+        due: Collection[str],
         reqs: dict[str, RequestState],
         requests: dict[str, Request],
         scheduled: Collection[str],
     ) -> MoveBatch | None:
-        """Compaction of the scheduled requests with a block's worth of
-        evictions since they were last planned (planner.py).
+        """Compaction of the requests `due` that are scheduled and have a
+        block's worth of evictions since they were last planned (planner.py).
 
         Blocks the prefix cache can serve are evacuated into fresh blocks
         rather than written, while the pool has the fresh blocks to spare;
         otherwise memory comes first and they are destinations too, the end of
         their hash chain first (docs/DESIGN.md §3.3).
         """
-        B = self.block_size
-        rids, ids, heads = [], [], []
-        for rid, rec in reqs.items():
-            req = requests.get(rid)
-            if rec.dead_since_plan < B or req is None or rid not in scheduled:
+        B, pool = self.block_size, self.pool
+        due = [r for r in due if r in reqs and r in requests and r in scheduled]
+        rows = pool.rows(due)
+        since = pool.dead_since_mark_rows(rows)
+        rids, ids, heads, planned = [], [], [], []
+        for k in np.argsort(rows).tolist():  # in row order: reproducible
+            rid, rec = due[k], reqs[due[k]]
+            if since[k] < B:
                 continue  # considered once it runs with a block's worth dead
             if rec.move_batch is not None:
                 # Its last batch is still copying (GPU side stream): its slots
                 # switch when that completes, so plan on the settled state.
                 self.counters.deferred_plans += 1
                 continue
-            rec.dead_since_plan = 0
+            planned.append(rows[k])
             rids.append(rid)
+            req = requests[rid]
             # Full blocks written before this step; the tail is being filled.
             index, nfull = self.blocks.get(rid), req.num_computed_tokens // B
             ids.append(index.ids[:nfull])
@@ -196,6 +230,7 @@ class BlockReclaimer:
             heads.append(self.positional(rid)[: min(upto, nfull)])
         if not rids:
             return None
+        pool.mark_rows(np.asarray(planned, np.int64))
         counts = np.fromiter(map(len, ids), np.int64, len(ids))
         ids = np.concatenate(ids)
         head = list(chain.from_iterable(heads))

@@ -22,10 +22,6 @@ class RequestState:
     `on_preempt` says which fields survive a preemption.
     """
 
-    # Evicted since last planned: packing frees a block only once a block's
-    # worth of slots is dead, so the planner considers a request when this
-    # reaches block_size (about once per block_size evictions, not every step).
-    dead_since_plan: int = 0
     # Dead tokens a resumed request recomputes this step: their blocks may be
     # freed once the forward that rewrites them has run (next begin_step).
     recomputed_dead: np.ndarray | None = None

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from itertools import compress
 from operator import attrgetter, getitem
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import segments
+from vllm.vtoken.arena import attrs, segments
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
@@ -90,7 +91,9 @@ class VTokenScheduler:
         # Requests a step must visit, so that it visits those only: with
         # recomputed dead tokens (RequestState.recomputed_dead); whose blocks
         # vLLM may still cache (new or resumed: caching stops at their first
-        # dead token); due for planning (a block's worth dead since planned).
+        # dead token); due for planning: a block's worth dead since planned
+        # (`pool.dead_since_mark_rows`; packing frees a block only once a
+        # block's worth of slots is dead, so about once per B evictions).
         self._recomputing: list[str] = []
         self._caching: set[str] = set()
         self._plan_due: set[str] = set()
@@ -114,52 +117,43 @@ class VTokenScheduler:
     @timed("scheduler_ns")
     def begin_step(self, running: Iterable[Request]) -> None:
         """Enforce budgets on running requests; free blocks left fully dead."""
-        recomputing, self._recomputing = self._recomputing, []
+        pool, recomputing, self._recomputing = self.pool, self._recomputing, []
         for rid in recomputing:
             rec = self._reqs.get(rid)
             if rec is None or rec.recomputed_dead is None:
                 continue  # finished since
-            if self.pool.num_slotted(rid) > 0:
-                self.reclaimer.free_empty_blocks(rid, rec, rec.recomputed_dead)
+            if pool.num_slotted(rid) > 0:
+                dead = rec.recomputed_dead
+                seg = np.zeros(dead.size, np.int64)
+                self.reclaimer.free_empty_blocks([rid], seg, dead, self._reqs)
             rec.recomputed_dead = None
         # Never evict during a (chunked) prefill, nor before the table knows
         # the tokens (prefill done means every prompt token was attended), nor
         # while its last step is in flight (PP's batch queue schedules the next
         # batch first: that step's scores are not in yet).
-        reqs = [
-            r
-            for r in running
-            if r.num_prompt_tokens <= r.num_computed_tokens < r.num_tokens
-            and r.request_id in self._reqs
-        ]
-        rids = [r.request_id for r in reqs]
-        attended = np.fromiter(
-            (r.num_computed_tokens for r in reqs), np.int64, len(reqs)
-        )
-        which, counts, idx = self.runtime.enforce_budgets(rids, attended)
+        running = list(running)
+        rids = list(map(_REQ_ID, running))
+        rows = pool.rows_or_missing(rids)
+        attended = attrs(running, _COMPUTED)
+        ok = (rows >= 0) & (attrs(running, _PROMPT) <= attended)
+        ok &= attended < attrs(running, _NUM_TOKENS)
+        if not ok.all():
+            rids, rows, attended = list(compress(rids, ok)), rows[ok], attended[ok]
+        which, counts, idx = self.runtime.enforce_budgets(rids, attended, rows)
         for rid in self._caching.intersection(rids) if self._caching else ():
-            if self.pool.has_dead(rid):
+            if pool.has_dead(rid):
                 self.reclaimer.stop_caching(rid)
                 self._caching.discard(rid)
         if not which.size:
             return
-        ids = [rids[i] for i in which]
+        ids = [rids[i] for i in which.tolist()]
         self._step_dead.append((ids, counts, idx))
         self.counters.evicted_tokens += int(idx.size)
-        B = self.block_size
-        for rid, n in zip(ids, counts.tolist(), strict=True):
-            rec = self._reqs[rid]
-            rec.dead_since_plan += n
-            if rec.dead_since_plan >= B:
-                self._plan_due.add(rid)
-        # Blocks whose last live token just died: only those requests free.
+        due = pool.dead_since_mark_rows(rows[which]) >= self.block_size
+        self._plan_due.update(compress(ids, due))
+        # Blocks whose last live token just died are freed.
         seg = np.repeat(np.arange(len(ids)), counts)
-        slots = self.pool.tokens_at(self.pool.rows(ids), seg, idx)
-        emptied = self.pool.block_live[slots // B] == 0
-        for k in np.unique(seg[emptied]):
-            lo = int(counts[:k].sum())
-            dead = idx[lo : lo + counts[k]]
-            self.reclaimer.free_empty_blocks(ids[k], self._reqs[ids[k]], dead)
+        self.reclaimer.free_empty_blocks(ids, seg, idx, self._reqs)
 
     @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
@@ -170,14 +164,13 @@ class VTokenScheduler:
         if self.cfg.compaction and self._plan_due:
             t0 = time.perf_counter_ns()
             moves = self.reclaimer.plan(
-                self._reqs, self._requests, so.num_scheduled_tokens.keys()
+                self._plan_due, self._reqs, self._requests, so.num_scheduled_tokens
             )
             self.counters.planner_ns += time.perf_counter_ns() - t0
             self.counters.plan_calls += 1
-            B, reqs = self.block_size, self._reqs
-            self._plan_due = {
-                r for r in self._plan_due if r in reqs and reqs[r].dead_since_plan >= B
-            }
+            left = [r for r in self._plan_due if r in self._reqs]  # still due:
+            since = self.pool.dead_since_mark_rows(self.pool.rows(left))
+            self._plan_due = set(compress(left, since >= self.block_size))
         chunks, self._step_dead = self._step_dead, []
         if not chunks and moves is None:
             return None
@@ -273,7 +266,7 @@ class VTokenScheduler:
         B, pool = self.block_size, self.pool
         rids = list(scheduled)
         reqs = [self._requests[r] for r in rids]
-        upto = np.fromiter(map(_COMPUTED, reqs), np.int64, len(reqs))
+        upto = attrs(reqs, _COMPUTED)
         upto += np.fromiter(scheduled.values(), np.int64, len(rids))
         for rid in set(rids).difference(self._reqs):  # first sight
             self._register(self._requests[rid])
@@ -326,8 +319,9 @@ class VTokenScheduler:
             if rec.recomputed_dead is None:
                 self._recomputing.append(rid)
             rec.recomputed_dead = dead
-            rec.dead_since_plan += dead.size
-            if rec.dead_since_plan >= self.block_size:
+            rows = self.pool.rows([rid])
+            self.pool.mark_rows(rows, recounted=np.array([dead.size]))
+            if self.pool.dead_since_mark_rows(rows)[0] >= self.block_size:
                 self._plan_due.add(rid)
 
     # ------------------------------------------------------------ metrics
@@ -347,4 +341,7 @@ class VTokenScheduler:
 
 
 _COMPUTED = attrgetter("num_computed_tokens")
+_PROMPT = attrgetter("num_prompt_tokens")
+_NUM_TOKENS = attrgetter("num_tokens")
+_REQ_ID = attrgetter("request_id")
 _BLOCK_ID = attrgetter("block_id")

@@ -163,7 +163,11 @@ class ScoreAccumulator:
             gain = (mass * np.repeat(klen, klen) >= norm * queries).astype(np.float32)
         read = np.flatnonzero(klen)
         return ScoreStep(
-            req_ids=[req_ids[r] for r in read],
+            req_ids=(
+                list(req_ids)
+                if read.size == klen.size
+                else [req_ids[r] for r in read.tolist()]
+            ),
             indptr=np.r_[0, np.cumsum(klen[read])],
             key_idx=np.asarray(key_idx, dtype=np.int64),
             gain=gain,
@@ -174,8 +178,8 @@ class ScoreAccumulator:
         requests in `known` only (default: all; a finished request's scores
         must not come back)."""
         ids, indptr, idx, gain = step.req_ids, step.indptr, step.key_idx, step.gain
-        if known is not None and not all(r in known for r in ids):
-            keep = np.fromiter((r in known for r in ids), bool, len(ids))
+        if known is not None and not all(map(known.__contains__, ids)):
+            keep = np.fromiter(map(known.__contains__, ids), bool, len(ids))
             sel = np.repeat(keep, np.diff(indptr))
             ids = [r for r, k in zip(ids, keep.tolist(), strict=True) if k]
             idx, gain = idx[sel], gain[sel]

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import RowArena, as_index, segments
+from vllm.vtoken.arena import RowArena, add_counts, as_index, segments
 
 
 class TokenTablePool:
@@ -53,7 +53,7 @@ class TokenTablePool:
         # a slot), live bits set; slot -1 and live False outside those.
         self._a = RowArena(
             {"slot": (np.int32, -1), "live": (bool, False)},
-            ("n_tokens", "n_slotted", "n_live"),
+            ("n_tokens", "n_slotted", "n_live", "n_dead_marked"),
         )
         self._row = self._a.index
         self._total_live = 0
@@ -84,6 +84,10 @@ class TokenTablePool:
     def rows(self, req_ids: Sequence[str]) -> np.ndarray:
         """int64 [R]: the rows of registered requests (KeyError otherwise)."""
         return self._a.rows(req_ids)
+
+    def rows_or_missing(self, req_ids: Sequence[str]) -> np.ndarray:
+        """int64 [R]: the rows of `req_ids`, -1 for a request without one."""
+        return self._a.rows_or_missing(req_ids)
 
     def append_rows(self, rows: np.ndarray, counts: np.ndarray, slots) -> None:
         """`append` for distinct rows at once: row i gets the next counts[i]
@@ -146,10 +150,9 @@ class TokenTablePool:
 
     # ------------------------------------------------------------ mutations
     def append(self, req_id: str, slots: np.ndarray) -> None:
-        """Gives slots (int [n], distinct, in [0, num_slots)) to the next n
-        logical tokens after the slotted ones. Tokens past the known length
-        are new and live; known ones (re-synced after `reset_slots`) keep
-        their liveness bit."""
+        """Slots (int [n], distinct) for the next n logical tokens after the
+        slotted ones: new tokens are live, known ones (re-synced after
+        `reset_slots`) keep their liveness bit."""
         s = as_index(slots, "slots")
         self.append_rows(self.rows([req_id]), np.array([s.size]), s)
 
@@ -226,6 +229,20 @@ class TokenTablePool:
         """bool [R]: `has_dead` of each row."""
         return self._n_live[rows] < self._n_tokens[rows]
 
+    def dead_since_mark_rows(self, rows: np.ndarray) -> np.ndarray:
+        """int64 [R]: tokens dead since `mark_rows` last ran on each row."""
+        dead = self._n_tokens[rows] - self._n_live[rows]
+        return dead - self._a.cols["n_dead_marked"][rows]
+
+    def mark_rows(self, rows: np.ndarray, recounted=None) -> None:
+        """Starts `dead_since_mark_rows` over; with `recounted` (int [R]),
+        counts that many dead tokens of each row again instead (a resumed
+        request recomputes them: they hold slots again)."""
+        dead, marked = self._n_tokens[rows] - self._n_live[rows], self._a.cols
+        marked["n_dead_marked"][rows] = (
+            dead if recounted is None else marked["n_dead_marked"][rows] - recounted
+        )
+
     def total_live(self) -> int:
         """Live tokens over all requests (O(1))."""
         return self._total_live
@@ -254,17 +271,10 @@ class TokenTablePool:
 
     # ------------------------------------------------------------ invariants
     def check_integrity(self, block_ref_cnt: np.ndarray | None = None) -> None:
-        """Recounts both views from the tables and checks every invariant.
-
-        Args:
-            block_ref_cnt: Optional int [num_blocks] reference counts from the
-                block pool. With it, a live slot may appear in two requests only
-                if its block is shared (ref > 1), and no live token may sit in a
-                block with ref 0. Without it, no live slot may appear twice.
-
-        Raises:
-            AssertionError: Naming the violated invariant.
-        """
+        """Recounts both views from the tables and asserts every invariant.
+        With `block_ref_cnt` (int [num_blocks], the block pool's), a live slot
+        may be in two requests only if its block is shared (ref > 1), and no
+        live token in a block with ref 0; without it, in one request only."""
         B, total, owned = self.block_size, 0, []
         assert self._a.regions_disjoint(), "token table regions overlap"
         slotted = np.zeros(self._slot.size, dtype=bool)
@@ -325,8 +335,7 @@ class TokenTablePool:
     def _count(self, slots: np.ndarray, delta: int) -> None:
         # The one place block_live changes (C1): every caller passes the slots of
         # live tokens only.
-        if slots.size:
-            np.add.at(self.block_live, slots // self.block_size, delta)
+        add_counts(self.block_live, slots // self.block_size, delta)
 
     def _check_idx(self, rows: np.ndarray, seg: np.ndarray, idx: np.ndarray) -> None:
         assert np.unique(rows).size == rows.size, "a row twice in one batch"

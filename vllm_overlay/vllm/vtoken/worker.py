@@ -192,9 +192,10 @@ class VTokenWorker:
         counts = num_scheduled[:num_reqs].astype(np.int64)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
-        for rid in [r for r in rids if r not in pool]:  # first sight
-            pool.add_request(rid)
-            self._scored[rid] = self._reads_scores(requests[rid])
+        if new := set(rids).difference(self._scored):  # first sight
+            for rid in (r for r in rids if r in new):
+                pool.add_request(rid)
+                self._scored[rid] = self._reads_scores(requests[rid])
         rows = pool.rows(rids)
         new = slot_mapping[: qsl[-1]].astype(np.int64)
         start = pool.num_slotted_rows(rows)
