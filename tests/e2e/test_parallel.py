@@ -8,9 +8,9 @@ which need scores of their own, get an engine each at TP=2. Every engine runs
 with VTOKEN_CHECK_INTEGRITY=1, so each rank checks its Token Tables against
 the other ranks' after every step (ranks.py).
 
-Oracles: vtoken == naive token for token at TP=2, PP=2 and TP=2 x PP=2; every
-policy evicts the same tokens there as on one rank; H2O's scores, reduced over
-the ranks, equal one rank's to 1e-4.
+Oracles: vtoken == naive token for token at TP=2 and PP=2; every policy
+evicts the same tokens at TP=2, PP=2 and TP=2 x PP=2 as on one rank; H2O's
+scores, reduced over the ranks, equal one rank's to 1e-4.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 BUDGET = 48
 SUM_POLICIES = ["h2o", "streamingllm", "random"]  # one engine (h2o's scores)
 CONFIGS = ["tp2", "pp2", "tp2pp2"]
+NAIVE_TOO = ["tp2", "pp2"]  # TP x PP is checked against TP=1 only
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def sum_runs(tiny_llama) -> dict[str, list]:
     configs["tp2pp2"] = {"tp": 2, "pp": 2}
     runs = {}
     for name, size in configs.items():
-        for reclaim in ("vtoken", "naive") if name != "tp1" else ("vtoken",):
+        # Naive runs where vtoken == naive is checked: TP and PP each.
+        for reclaim in ("vtoken", "naive") if name in NAIVE_TOO else ("vtoken",):
             waves = run(tiny_llama, "h2o", reclaim, waves=SUM_POLICIES, **size)
             runs[f"{name}-{reclaim}"] = waves
     return runs
@@ -95,7 +97,7 @@ def check_vtoken_equals_naive(vtoken: dict, naive: dict) -> None:
         assert w["free_end"] == w["free_start"]
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", NAIVE_TOO)
 @pytest.mark.parametrize("k", range(len(SUM_POLICIES)), ids=SUM_POLICIES)
 def test_vtoken_equals_naive(sum_runs, config, k):
     vtoken, naive = sum_runs[f"{config}-vtoken"][k], sum_runs[f"{config}-naive"][k]
@@ -126,12 +128,12 @@ def test_h2o_scores_are_reduced_over_every_rank(sum_runs, config):
 
 @pytest.mark.parametrize("policy", ["scissorhands", "snapkv"])
 def test_score_policies_of_their_own_at_tp2(tiny_llama, policy):
-    """Persistence and window scores: vtoken == naive at TP=2, and the same
-    tokens die, with the same scores, as on one rank."""
+    """Persistence and window scores: the same tokens die, with the same
+    scores, as on one rank (vtoken == naive at TP=2 does not depend on the
+    policy: the sum-score waves check it)."""
     one = run(tiny_llama, policy, "vtoken")[0]
     vtoken = run(tiny_llama, policy, "vtoken", tp=2)[0]
-    naive = run(tiny_llama, policy, "naive", tp=2)[0]
-    check_vtoken_equals_naive(vtoken, naive)
+    assert any(vtoken["dead"].values()) and vtoken["free_end"] == vtoken["free_start"]
     assert vtoken["dead"] == one["dead"]
     check_same_scores(one, vtoken)
 

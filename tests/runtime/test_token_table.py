@@ -292,3 +292,61 @@ def test_add_counts_counts_each_occurrence(n):
     add_counts(counts, ids, -2)
     np.testing.assert_array_equal(counts, want)
     assert counts.dtype == np.int32
+
+
+def test_live_tokens_walk_the_live_list_in_logical_order():
+    pool = make_pool(a=[12, 13, 14, 15, 40, 41], b=[8, 9, 10])
+    pool.evict("a", np.array([0, 2, 4]))
+    pool.evict("b", np.array([1]))
+    pool.append("a", np.array([42]))
+    seg, idx, slot = pool.live_tokens(pool.rows(["b", "a"]))
+    np.testing.assert_array_equal(seg, [0, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(idx, [0, 2, 1, 3, 5, 6])
+    np.testing.assert_array_equal(slot, [8, 10, 13, 15, 41, 42])
+    pool.reset_slots("a")  # preempted: live, but no slot
+    pool.append("a", np.array([20, 21, 22]))  # resumed: three re-slotted
+    seg, idx, slot = pool.live_tokens(pool.rows(["a"]))
+    np.testing.assert_array_equal(idx, [1])
+    np.testing.assert_array_equal(slot, [21])
+    pool.check_integrity()
+
+
+def test_read_keys_are_live_old_tokens_then_every_query():
+    pool = make_pool(a=[12, 13, 14, 15], b=[8, 9])
+    pool.evict("a", np.array([1]))
+    pool.reset_slots("a")
+    # "a" resumes: its 4 known tokens (token 1 dead) are recomputed, with one
+    # new one; "b" decodes one token after 2 computed.
+    pool.append("a", np.array([20, 21, 22, 23, 24]))
+    pool.append("b", np.array([10]))
+    seg, idx, slot = pool.read_keys(pool.rows(["a", "b"]), np.array([0, 2]))
+    np.testing.assert_array_equal(seg, [0, 0, 0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(idx, [0, 1, 2, 3, 4, 0, 1, 2])  # dead 1 too
+    np.testing.assert_array_equal(slot, [20, 21, 22, 23, 24, 8, 9, 10])
+    pool.evict("b", np.array([0]))
+    seg, idx, slot = pool.read_keys(pool.rows(["b", "a"]), np.array([2, 5]))
+    np.testing.assert_array_equal(seg, [0, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(idx, [1, 2, 0, 2, 3, 4])  # b's dead 0 out
+    np.testing.assert_array_equal(slot, [9, 10, 20, 22, 23, 24])
+
+
+def test_check_integrity_catches_a_live_list_out_of_step():
+    pool = make_pool(a=[12, 13, 14, 15])
+    pool.check_integrity()
+    pool._listed[pool._a.start[pool.rows(["a"])[0]] + 1] = 3  # [0, 3, 2, 3]
+    with pytest.raises(AssertionError, match="live list"):
+        pool.check_integrity()
+
+
+def test_a_live_list_is_compacted_once_it_holds_as_many_dead_as_live():
+    pool = make_pool(num_blocks=64, a=list(range(200)))
+    row = pool.rows(["a"])[0]
+    for t in range(0, 150):  # one eviction a step, the oldest first
+        pool.evict("a", np.array([t]))
+        live = 200 - (t + 1)
+        assert live <= pool._n_listed[row] < live + max(live, 16)
+        if t in (15, 99):
+            pool.check_integrity()
+    assert pool._n_listed[row] < 2 * 50 + 16  # compacted along the way
+    np.testing.assert_array_equal(pool.live_tokens([row])[1], np.arange(150, 200))
+    pool.check_integrity()

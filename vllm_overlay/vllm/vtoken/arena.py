@@ -70,6 +70,13 @@ def attrs(objs: Sequence, getter) -> np.ndarray:
     return np.fromiter(map(getter, objs), np.int64, len(objs))
 
 
+def values(table: dict, keys: Sequence) -> list:
+    """[table[k] for k in keys], the loop in C (KeyError if absent)."""
+    if len(keys) <= 1:
+        return [table[k] for k in keys]
+    return list(itemgetter(*keys)(table))
+
+
 def lookup(table: dict, keys: Sequence, dtype=np.int64) -> np.ndarray:
     """np.array([table[k] for k in keys]), the loop in C (KeyError if absent)."""
     if len(keys) <= 1:

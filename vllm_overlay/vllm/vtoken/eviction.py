@@ -214,8 +214,7 @@ class EvictionRuntime:
         return which[order], counts[order], idx[flat]
 
     def _evict_group(self, policy, ids, rows, attended, excess):
-        seg, idx, live, _ = self.pool.tokens(rows)
-        seg, idx = seg[live], idx[live]
+        seg, idx, _ = self.pool.live_tokens(rows)
         indptr = np.zeros(len(ids) + 1, np.int64)
         np.cumsum(np.bincount(seg, minlength=len(ids)), out=indptr[1:])
         scores = None

@@ -286,13 +286,12 @@ class BlockReclaimer:
         batch_id = self._next_batch_id
         fresh = self.block_pool.get_new_blocks(int(plan.num_fresh.sum()))
         # The live tokens of every planned request at once (Token Table rows).
-        seg, idx, live, slot = self.pool.tokens(self.pool.rows(rids))
-        on = np.flatnonzero(live)
+        seg, idx, slot = self.pool.live_tokens(self.pool.rows(rids))
         m = pack_requests(
             plan,
-            live_indptr=np.r_[0, np.cumsum(np.bincount(seg[on], minlength=len(rids)))],
-            live_idx=idx[on],
-            live_slots=slot[on],
+            live_indptr=np.r_[0, np.cumsum(np.bincount(seg, minlength=len(rids)))],
+            live_idx=idx,
+            live_slots=slot,
             block_size=B,
             num_blocks=self.pool.num_blocks,
             fresh_block_ids=np.fromiter(map(_ID, fresh), np.int64, len(fresh)),

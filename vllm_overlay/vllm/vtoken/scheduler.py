@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, segments
+from vllm.vtoken.arena import attrs, segments, values
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
@@ -177,8 +177,8 @@ class VTokenScheduler:
         ids = [r for c in chunks for r in c[0]]
         counts = np.concatenate([c[1] for c in chunks] + [np.zeros(0, np.int64)])
         idx = np.concatenate([c[2] for c in chunks] + [np.zeros(0, np.int64)])
-        gone = [r not in self._reqs for r in ids]  # finished since
-        if any(gone):
+        if not all(map(self._reqs.__contains__, ids)):  # finished since
+            gone = [r not in self._reqs for r in ids]
             keep = ~np.asarray(gone)
             idx = idx[np.repeat(keep, counts)]
             ids, counts = (
@@ -265,11 +265,12 @@ class VTokenScheduler:
             return
         B, pool = self.block_size, self.pool
         rids = list(scheduled)
-        reqs = [self._requests[r] for r in rids]
+        reqs = values(self._requests, rids)
         upto = attrs(reqs, _COMPUTED)
         upto += np.fromiter(scheduled.values(), np.int64, len(rids))
-        for rid in set(rids).difference(self._reqs):  # first sight
-            self._register(self._requests[rid])
+        if new := set(rids).difference(self._reqs):  # first sight, in order
+            for req in (r for r in reqs if r.request_id in new):
+                self._register(req)
         rows = pool.rows(rids)
         start = pool.num_slotted_rows(rows)
         for i in np.flatnonzero((start < pool.num_tokens_rows(rows)) & (upto > start)):
@@ -282,7 +283,7 @@ class VTokenScheduler:
             start, upto = start[grow], upto[grow]
         # Each request's blocks [first, last], as one flat list of block ids.
         first, last = start // B, (upto - 1) // B
-        blocks = [self.reclaimer.req_to_blocks[r] for r in rids]
+        blocks = values(self.reclaimer.req_to_blocks, rids)
         if (first == last).all():  # decode: one block each
             ids = list(map(_BLOCK_ID, map(getitem, blocks, first.tolist())))
         else:

@@ -50,10 +50,15 @@ class TokenTablePool:
         self.num_slots = self.num_blocks * self.block_size
         self.block_live = np.zeros(self.num_blocks, dtype=np.int32)
         # Per row: tokens known (ever slotted), slotted ([0, n_slotted) have
-        # a slot), live bits set; slot -1 and live False outside those.
+        # a slot), live bits set; slot -1 and live False outside those. The
+        # live list, so that a step walks a request's live tokens and not a
+        # long generation's dead history: entries [0, n_listed) of `listed`
+        # are logical indices, ascending, of every live token and of tokens
+        # that died since the list was last compacted (-1 past them). A list
+        # is compacted once it holds as many dead as live (`_compact_lists`).
         self._a = RowArena(
-            {"slot": (np.int32, -1), "live": (bool, False)},
-            ("n_tokens", "n_slotted", "n_live", "n_dead_marked"),
+            {"slot": (np.int32, -1), "live": (bool, False), "listed": (np.int32, -1)},
+            ("n_tokens", "n_slotted", "n_live", "n_listed", "n_dead_marked"),
         )
         self._row = self._a.index
         self._total_live = 0
@@ -107,12 +112,18 @@ class TokenTablePool:
             assert np.unique(key).size == key.size, "slots holds a slot twice"
         self._a.reserve(rows, end)
         tok = first[seg] + k
-        pos = self._a.start[rows][seg] + tok
+        base = self._a.start[rows][seg]
+        pos = base + tok
         self._slot[pos] = s
-        new = tok >= self._n_tokens[rows][seg]
+        known = self._n_tokens[rows][seg]
+        new = tok >= known
         self._live[pos[new]] = True
+        # New tokens are the newest: they go at the live list's end.
+        at = (self._n_listed[rows][seg] + tok - known)[new]
+        self._listed[base[new] + at] = tok[new]
         num_new = np.bincount(seg[new], minlength=rows.size)
         self._n_live[rows] += num_new
+        self._n_listed[rows] += num_new
         self._total_live += int(num_new.sum())
         self._n_tokens[rows] = np.maximum(self._n_tokens[rows], end)
         self._count(s[self._live[pos]], +1)
@@ -125,6 +136,49 @@ class TokenTablePool:
         seg, idx = segments(self._n_slotted[rows])
         pos = self._a.start[rows][seg] + idx
         return seg, idx, self._live[pos], self._slot[pos]
+
+    def live_tokens(self, rows: np.ndarray):
+        """The live slotted tokens of `rows`, flat, in logical order: (seg,
+        idx, slot), int64 (slot int32). O(live tokens): the live lists."""
+        rows = np.asarray(rows, np.int64)
+        seg, k = segments(self._n_listed[rows])
+        base = self._a.start[rows][seg]
+        idx = self._listed[base + k].astype(np.int64)
+        # Live, and slotted (all but a preempted request's are).
+        keep = self._live[base + idx] & (idx < self._n_slotted[rows][seg])
+        if not keep.all():
+            seg, idx, base = seg[keep], idx[keep], base[keep]
+        return seg, idx, self._slot[base + idx]
+
+    def read_keys(self, rows: np.ndarray, computed: np.ndarray):
+        """What attention reads for `rows` (distinct): each row's live tokens
+        before computed[i], then every token from there to the slotted end
+        (the step's queries, dead ones too: a resumed request recomputes
+        them). (seg, idx, slot) as `live_tokens`, in logical order per row."""
+        rows, computed = np.asarray(rows, np.int64), np.asarray(computed, np.int64)
+        seg, idx, slot = self.live_tokens(rows)
+        old = idx < computed[seg]
+        num_q = self._n_slotted[rows] - computed
+        if idx.size - np.count_nonzero(old) == num_q.sum():
+            return seg, idx, slot.astype(np.int64)  # every query is live: listed
+        seg, idx, slot = seg[old], idx[old], slot[old]
+        num_old = np.bincount(seg, minlength=rows.size)
+        q_seg, q_k = segments(num_q)
+        q_idx = computed[q_seg] + q_k
+        q_slot = self._slot[self._a.start[rows][q_seg] + q_idx]
+        # Row i's keys are its old ones, then its queries, from out[i].
+        out = np.cumsum(num_old + num_q) - num_old - num_q
+        at = np.empty(idx.size + q_idx.size, np.int64)
+        at[: idx.size] = (
+            out[seg] + np.arange(idx.size) - (np.cumsum(num_old) - num_old)[seg]
+        )
+        at[idx.size :] = (out + num_old)[q_seg] + q_k
+        keys = [np.empty(at.size, np.int64) for _ in range(3)]
+        for dst, a, b in zip(
+            keys, (seg, idx, slot), (q_seg, q_idx, q_slot), strict=True
+        ):
+            dst[at[: idx.size]], dst[at[idx.size :]] = a, b
+        return tuple(keys)
 
     def tokens_at(self, rows: np.ndarray, seg: np.ndarray, idx) -> np.ndarray:
         """int32: the slots of tokens idx[j] of rows[seg[j]]."""
@@ -141,12 +195,31 @@ class TokenTablePool:
         seg = np.repeat(np.arange(rows.size), counts)
         if integrity.CHECK:
             self._check_idx(rows, seg, i)
-        pos = self._a.start[rows][seg] + i
+        start = self._a.start[rows]
+        pos = start[seg] + i
         assert self._live[pos].all(), f"tokens {i[~self._live[pos]][:8]} already dead"
         self._live[pos] = False
         self._count(self._slot[pos], -1)
         self._n_live[rows] -= counts
         self._total_live -= i.size
+        n_live = self._n_live[rows]
+        full = self._n_listed[rows] - n_live >= np.maximum(n_live, 16)
+        if full.any():  # as many dead as live listed (and a few): compact
+            self._compact_lists(rows[full])
+
+    def _compact_lists(self, rows: np.ndarray) -> None:
+        # The live lists of `rows`, rewritten without their dead: O(listed),
+        # once per as many evictions, so O(1) per eviction.
+        start = self._a.start[rows]
+        seg, k = segments(self._n_listed[rows])
+        listed = self._listed[start[seg] + k]
+        stays = self._live[start[seg] + listed]
+        self._listed[start[seg] + k] = -1
+        seg, listed = seg[stays], listed[stays]
+        n_live = self._n_live[rows]
+        rank = np.arange(seg.size) - (np.cumsum(n_live) - n_live)[seg]
+        self._listed[start[seg] + rank] = listed
+        self._n_listed[rows] = n_live
 
     # ------------------------------------------------------------ mutations
     def append(self, req_id: str, slots: np.ndarray) -> None:
@@ -293,6 +366,15 @@ class TokenTablePool:
                 f"{rid}: live counter {self._n_live[row]} != {n_live}"
             )
             total += n_live
+            n_listed = self._n_listed[row]
+            listed = self._listed[self._a.span(row, self._a.cap[row])]
+            on = listed[:n_listed][self._live[self._a.start[row] + listed[:n_listed]]]
+            want = np.flatnonzero(self._live[self._a.span(row, n_tokens)])
+            assert (
+                np.array_equal(on, want)
+                and (np.diff(listed[:n_listed]) > 0).all()
+                and (listed[n_listed:] == -1).all()
+            ), f"{rid}: live list {listed[:n_listed][:8]} != live bits {want[:8]}"
             ls = self._live_slots(row)
             assert np.unique(ls).size == ls.size, f"{rid}: a slot used twice"
             owned.append(ls.astype(np.int64))
@@ -324,6 +406,8 @@ class TokenTablePool:
     # The arena's arrays and columns (re-read: growing may replace them).
     _slot = property(lambda self: self._a.data["slot"])
     _live = property(lambda self: self._a.data["live"])
+    _listed = property(lambda self: self._a.data["listed"])
+    _n_listed = property(lambda self: self._a.cols["n_listed"])
     _n_tokens = property(lambda self: self._a.cols["n_tokens"])
     _n_slotted = property(lambda self: self._a.cols["n_slotted"])
     _n_live = property(lambda self: self._a.cols["n_live"])

@@ -212,17 +212,15 @@ class VTokenWorker:
         # its KV; it is attended this once and stays dead afterwards. Rows not
         # read get no keys: vLLM's kernel reads their positional KV.
         read = np.flatnonzero(reads)
-        seg, idx, live, slot = pool.tokens(rows[read])
-        nc = computed[read][seg]
-        keep = (live & (idx < nc)) | (idx >= nc)
+        seg, idx, slot = pool.read_keys(rows[read], computed[read])
         num_keys = np.zeros(num_reqs, dtype=np.int64)
-        num_keys[read] = np.bincount(seg[keep], minlength=read.size)
+        num_keys[read] = np.bincount(seg, minlength=read.size)
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_keys, out=kv_indptr[1:])
-        kv_np = slot[keep].astype(np.int64)
+        kv_np = slot
         if self.scores is not None:
             self.scores.begin_step(kv_np.size)
-            self._read_keys = (list(rids), idx[keep])
+            self._read_keys = (list(rids), idx)
         if self._device.type == "cpu":
             kv_slots = torch.from_numpy(kv_np)
             plan = build_cpu_read_plan(
