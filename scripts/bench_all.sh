@@ -17,8 +17,13 @@ bench quality --requests 6 --prompt-len 128 --gen-len 96 "$@"
 bench sla --pool 96 --budget 128 --gen-len 128 --num-prompts 24 --rates 0.5 1 2 "$@"
 tiny=$VTOKEN_CACHE/models/tiny-llama  # scale: dummy weights, a cheap forward
 "$VTOKEN_PY" scripts/prepare.py tiny-llama --out "$tiny" >&2
+# With VTOKEN_BASELINE (an older series applied to a copy of vLLM, DEVELOPING.md),
+# scale and history time it too, side by side.
+before=${VTOKEN_BASELINE:+--baseline $VTOKEN_BASELINE}
 bench scale --model "$tiny" --prompts random --batches 64 256 1024 --prompt-len 64 \
-  --gen-len 64 --budget 32
+  --gen-len 64 --budget 32 $before
+bench history --model "$tiny" --prompts random --requests 256 --prompt-len 64 \
+  --gen-len 448 --budget 32 --policies h2o streamingllm --repeats 2 $before
 bench parallel --model "$tiny" --prompts random --requests 16 --prompt-len 96 \
   --gen-len 64 --budget 48 --policies h2o streamingllm random --repeats 3
 "$VTOKEN_PY" scripts/bench_planner.py

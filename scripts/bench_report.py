@@ -272,26 +272,55 @@ def quality_section(d: dict, img: str) -> list[str]:
 
 
 def scale_section(d: dict, img: str) -> list[str]:
+    before = any("before_host_ms" in r for r in d["rows"].values())
     out = table_head(
         "Per-step cost at large batches",
         f"`{d['command']}` ({d['date']}). A dummy-weight two-layer Llama (the "
         f"forward is cheap, host work shows), random prompts of {d['prompt_len']} "
         f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode; "
         "medians over the steps where every request runs. Host time: wall time "
-        "inside vToken's hooks, both sides (`scheduler_ns` + `worker_ns`).",
+        "inside vToken's hooks, both sides (`scheduler_ns` + `worker_ns`). Calls: "
+        "the Python and C calls those hooks make per step (counted in a 16-token "
+        "run of its own), which noise does not touch.",
         {"running": "r", "policy": "l", "step ms": "r", "native step ms": "r"}
-        | {"ratio": "r", "vToken host ms": "r", "planner ms per plan": "r"},
+        | {"ratio": "r", "vToken host ms": "r", "calls in the hooks": "r"}
+        | {"planner ms per plan": "r"}
+        | ({"host ms before": "r", "host, now / before": "r"} if before else {}),
     )
     for key, r in d["rows"].items():
         n, policy = key.split("/")
         if policy == "none":
             continue
         native = d["rows"][f"{n}/none"]["step_ms"]
+        then = r.get("before_host_ms")
         out.append(
             f"| {int(n):,} | {policy} | {r['step_ms']:.1f} | {native:.1f} "
-            f"| {r['step_ratio']:.2f} | {r['host_ms']:.2f} | {r['planner_ms']:.2f} |"
+            f"| {r['step_ratio']:.2f} | {r['host_ms']:.2f} | {r['hook_calls']:,.0f} "
+            f"| {r['planner_ms']:.2f} |"
+            + (f" {then:.2f} | {r['host_ms'] / then:.2f} |" if then else "")
         )
     return out + ["", f"![scale]({img}/scale.png)", ""]
+
+
+def history_section(d: dict, img: str) -> list[str]:
+    out = table_head(
+        "Per-step cost as the history grows",
+        f"`{d['command']}` ({d['date']}). {d['requests']} requests at once of a "
+        f"dummy-weight two-layer Llama, random prompts of {d['prompt_len']} tokens, "
+        f"{d['gen_len']} generated, budget {d['budget']}, vtoken mode: each request "
+        "ends with about "
+        f"{(d['prompt_len'] + d['gen_len']) / (d['budget'] + 1):.0f}x as many dead "
+        "tokens as live. vToken's host time per step in each quarter of the "
+        "decode (medians over the runs, the versions taking turns); before: the "
+        "overlay before the live lists.",
+        {"policy": "l", "version": "l", "1st quarter ms": "r", "2nd": "r"}
+        | {"3rd": "r", "4th": "r", "4th / 1st": "r"},
+    )
+    for key, q in d["rows"].items():
+        policy, ver = key.split("/")
+        cells = " | ".join(f"{x:.2f}" for x in q)
+        out.append(f"| {policy} | {ver} | {cells} | {q[3] / q[0]:.2f} |")
+    return out + [""]
 
 
 def parallel_section(d: dict, img: str) -> list[str]:
@@ -325,6 +354,7 @@ SECTIONS = [
     ("prefix", prefix_section),
     ("quality", quality_section),
     ("scale", scale_section),
+    ("history", history_section),
     ("parallel", parallel_section),
 ]
 

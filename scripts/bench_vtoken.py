@@ -442,6 +442,66 @@ def plot_quality(data: dict, png: pathlib.Path) -> None:
             ax.legend()
 
 
+def host_ns(run: dict, n: int) -> list[int]:
+    """vToken's host time (ns) of each step where all n requests run, the
+    first two (prefill) left out."""
+    steady = [s for s in run["steps"] if s["running"] == n][2:]
+    return [b["vtoken_ns"] - a["vtoken_ns"] for a, b in itertools.pairwise(steady)]
+
+
+def hook_calls(run: dict, n: int) -> list[int]:
+    """Python and C calls inside vToken's hooks in each such step."""
+    steady = [s for s in run["steps"] if s["running"] == n][2:]
+    return [b["hook_calls"] - a["hook_calls"] for a, b in itertools.pairwise(steady)]
+
+
+def versions(args) -> dict:
+    """The overlays compared: this one, and `--baseline` (a site folder with
+    an older series applied, put first on PYTHONPATH) when given."""
+    out = {"vtoken": None}
+    if args.baseline:
+        out["before"] = {"PYTHONPATH": str(args.baseline)}
+    return out
+
+
+def cmd_history(args) -> dict:
+    """vToken's host time per step as each request's history outgrows its
+    budget: a step walks the requests' live tokens (the live lists), so the
+    time stays flat while the dead tokens pile up. Dummy weights (--model),
+    --requests at once; host time in each quarter of the decode, medians over
+    --repeats runs, each version's runs taking turns."""
+    n, total = args.requests, args.prompt_len + args.gen_len
+    eng = engine_args(
+        args,
+        load_format="dummy",
+        max_num_seqs=n,
+        max_num_batched_tokens=max(8192, n),
+        num_gpu_blocks_override=-(-n * total // 16) + 2 * n,
+        max_model_len=total,
+    )
+    src = {"n": n, "min_tokens": args.prompt_len, "max_tokens": args.prompt_len}
+    spec = {"random": src, "max_tokens": args.gen_len, "light": True}
+    quarters: dict[str, list] = {}
+    for _, policy, (ver, env) in itertools.product(
+        range(args.repeats), args.policies, versions(args).items()
+    ):
+        extra = policy_args(policy, args.budget, "vtoken")
+        ns = host_ns(run_driver({"engine": {**eng, **extra}, **spec}, env=env), n)
+        q = [1e-6 * statistics.median(part) for part in _quarters(ns)]
+        quarters.setdefault(f"{policy}/{ver}", []).append(q)
+        print(f"history {policy:13s} {ver:7s} host ms by quarter {q}")
+    rows = {
+        k: [statistics.median(q) for q in zip(*v, strict=True)]
+        for k, v in quarters.items()
+    }
+    return {"rows": rows, **pick(args, "requests", "prompt_len", "gen_len", "budget")}
+
+
+def _quarters(xs: list) -> list[list]:
+    k = len(xs) // 4
+    return [xs[i * k : (i + 1) * k] for i in range(4)]
+
+
 def cmd_scale(args) -> dict:
     """vToken's host time per step at large batches, against native in the same
     run: a dummy-weight model (--model; build one with `scripts/prepare.py
@@ -466,18 +526,23 @@ def cmd_scale(args) -> dict:
             steady = [s for s in run["steps"] if s["running"] == n][2:]
             row = {"step_ms": statistics.median(s["step_ms"] for s in steady)}
             if policy != "none":
-                ns = [
-                    b["vtoken_ns"] - a["vtoken_ns"]
-                    for a, b in itertools.pairwise(steady)
-                ]
                 c = run["counters"]
+                # The work, deterministically: calls inside the hooks per step
+                # (a shorter run of its own: counting slows the hooks down).
+                short = {**spec, "max_tokens": 16, "count_hook_calls": True}
+                counted = run_driver({"engine": {**eng, **extra}, **short})
                 row |= {
-                    "host_ms": 1e-6 * statistics.median(ns),
+                    "hook_calls": statistics.median(hook_calls(counted, n)),
+                    "host_ms": 1e-6 * statistics.median(host_ns(run, n)),
                     "planner_ms": 1e-6 * c["planner_ns"] / max(1, c["plan_calls"]),
                     "plan_calls": c["plan_calls"],
                     "evicted_tokens": c["evicted_tokens"],
                 }
                 row["step_ratio"] = row["step_ms"] / out[f"{n}/none"]["step_ms"]
+                if args.baseline:  # the same run on the older overlay, next
+                    env = versions(args)["before"]
+                    old = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
+                    row["before_host_ms"] = 1e-6 * statistics.median(host_ns(old, n))
             out[f"{n}/{policy}"] = row
             print(f"scale {n:5d} {policy:13s} {row}")
     return {"rows": out, **pick(args, "batches", "prompt_len", "gen_len", "budget")}
@@ -541,6 +606,7 @@ EXPERIMENTS = {  # name: (run, plot or None)
     "prefix": (cmd_prefix, None),
     "quality": (cmd_quality, plot_quality),
     "scale": (cmd_scale, plot_scale),
+    "history": (cmd_history, None),
     "parallel": (cmd_parallel, None),
 }
 
@@ -567,6 +633,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument(
+        "--baseline",
+        type=pathlib.Path,
+        help="scale, history: also time this site folder's overlay (an older "
+        "series applied to a copy of vLLM; docs/DEVELOPING.md)",
+    )
     return p.parse_args()
 
 

@@ -219,6 +219,42 @@ def counted(step, calls: dict[str, int]):
         sys.setprofile(None)
 
 
+# Python and C calls inside vToken's per-step hooks, both sides (the engine
+# core, scheduler and worker share this thread): the spec's "count_hook_calls".
+HOOK_CALLS = {"call": 0, "c_call": 0}
+HOOKS = {
+    "vllm.vtoken.scheduler:VTokenScheduler": ("begin_step", "end_step", "on_output"),
+    "vllm.vtoken.worker:VTokenWorker": ("begin_step", "prepare_attention", "end_step"),
+}
+
+
+def count_hook_calls() -> None:
+    """Wraps vToken's step hooks so that the calls they make are counted."""
+    import functools
+    import importlib
+
+    import vllm.config  # noqa: F401 (first: the overlay's modules import it)
+
+    def hook(frame, event, arg) -> None:
+        if event in HOOK_CALLS:
+            HOOK_CALLS[event] += 1
+
+    for where, names in HOOKS.items():
+        module, cls = where.split(":")
+        cls = getattr(importlib.import_module(module), cls)
+        for name in names:
+
+            @functools.wraps(fn := getattr(cls, name))
+            def counting(*args, _fn=fn, **kwargs):
+                sys.setprofile(hook)
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    sys.setprofile(None)
+
+            setattr(cls, name, counting)
+
+
 class Driver:
     """One engine, stepped by hand, counting preemptions and batch sizes."""
 
@@ -322,6 +358,7 @@ class Driver:
                 state["vtoken_ns"] = getattr(c, "scheduler_ns", 0) + getattr(
                     c, "worker_ns", 0
                 )
+                state["hook_calls"] = HOOK_CALLS["call"] + HOOK_CALLS["c_call"]
             light = wave.get("light")  # no per-request state: scale runs
             steps.append(state if light else block_state(sched, histogram) | state)
             if len(steps) > 20000:
@@ -393,6 +430,8 @@ def main() -> None:
     spec = json.load(open(sys.argv[1]))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     processors = {"logits_processors": [force_tokens()]} if "force" in spec else {}
+    if spec.get("count_hook_calls"):
+        count_hook_calls()
     driver = Driver({**spec.get("engine", {}), **processors})
     if "search" in spec:
         result = driver.search(**spec["search"])

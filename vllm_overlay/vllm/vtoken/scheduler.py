@@ -136,7 +136,13 @@ class VTokenScheduler:
         rows = pool.rows_or_missing(rids)
         attended = attrs(running, _COMPUTED)
         ok = (rows >= 0) & (attrs(running, _PROMPT) <= attended)
-        ok &= attended < attrs(running, _NUM_TOKENS)
+        # Request.num_tokens is len(_all_token_ids): read without its Python
+        # property, so that this costs no Python call per request.
+        num_tokens = np.fromiter(map(len, map(_ALL_TOKENS, running)), np.int64)
+        assert not integrity.CHECK or num_tokens.tolist() == [
+            r.num_tokens for r in running
+        ], "Request.num_tokens is no longer len(Request._all_token_ids)"
+        ok &= attended < num_tokens
         if not ok.all():
             rids, rows, attended = list(compress(rids, ok)), rows[ok], attended[ok]
         which, counts, idx = self.runtime.enforce_budgets(rids, attended, rows)
@@ -343,6 +349,6 @@ class VTokenScheduler:
 
 _COMPUTED = attrgetter("num_computed_tokens")
 _PROMPT = attrgetter("num_prompt_tokens")
-_NUM_TOKENS = attrgetter("num_tokens")
+_ALL_TOKENS = attrgetter("_all_token_ids")
 _REQ_ID = attrgetter("request_id")
 _BLOCK_ID = attrgetter("block_id")

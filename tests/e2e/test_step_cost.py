@@ -1,0 +1,46 @@
+"""vToken's per-step work does not grow with the batch (DESIGN.md §7.1).
+
+Counted, not timed: the Python and C calls vToken's step hooks make (both
+sides; `count_hook_calls` in scripts/engine_driver.py), in the steps where
+every request decodes and is evicted from. A loop over requests or tokens in
+the step path shows up as more calls at 16 requests than at 4.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+
+from tests.e2e.conftest import run_engine
+
+pytestmark = pytest.mark.e2e
+
+
+def calls_per_step(policy: str, n: int) -> float:
+    spec = {
+        "engine": {
+            "kv_eviction_policy": policy,
+            "kv_budget_tokens": 32,
+            "kv_reclaim": "vtoken",
+            "max_num_seqs": n,
+        },
+        "random": {"n": n, "min_tokens": 64, "max_tokens": 64},
+        "max_tokens": 24,
+        "light": True,
+        "count_hook_calls": True,
+    }
+    # The deep checks loop over requests by design: off here.
+    run = run_engine(spec, env={"VTOKEN_CHECK_INTEGRITY": "0"})
+    steady = [s for s in run["steps"] if s["running"] == n][2:]
+    assert len(steady) > 10 and run["counters"]["evicted_tokens"] > 0
+    calls = [b["hook_calls"] - a["hook_calls"] for a, b in itertools.pairwise(steady)]
+    return statistics.median(calls)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "random"])
+def test_the_hooks_make_as_many_calls_a_step_at_16_requests_as_at_4(engine_dir, policy):
+    few, many = calls_per_step(policy, 4), calls_per_step(policy, 16)
+    assert few > 0
+    assert many == few
