@@ -285,7 +285,11 @@ def scale_section(d: dict, img: str) -> list[str]:
         {"running": "r", "policy": "l", "step ms": "r", "native step ms": "r"}
         | {"ratio": "r", "vToken host ms": "r", "calls in the hooks": "r"}
         | {"planner ms per plan": "r"}
-        | ({"host ms before": "r", "host, now / before": "r"} if before else {}),
+        | (
+            {"host ms before": "r", "host, now / before": "r", "calls before": "r"}
+            if before
+            else {}
+        ),
     )
     for key, r in d["rows"].items():
         n, policy = key.split("/")
@@ -297,7 +301,12 @@ def scale_section(d: dict, img: str) -> list[str]:
             f"| {int(n):,} | {policy} | {r['step_ms']:.1f} | {native:.1f} "
             f"| {r['step_ratio']:.2f} | {r['host_ms']:.2f} | {r['hook_calls']:,.0f} "
             f"| {r['planner_ms']:.2f} |"
-            + (f" {then:.2f} | {r['host_ms'] / then:.2f} |" if then else "")
+            + (
+                f" {then:.2f} | {r['host_ms'] / then:.2f} "
+                f"| {r.get('before_hook_calls', 0):,.0f} |"
+                if then
+                else ""
+            )
         )
     return out + ["", f"![scale]({img}/scale.png)", ""]
 
@@ -309,10 +318,10 @@ def history_section(d: dict, img: str) -> list[str]:
         f"dummy-weight two-layer Llama, random prompts of {d['prompt_len']} tokens, "
         f"{d['gen_len']} generated, budget {d['budget']}, vtoken mode: each request "
         "ends with about "
-        f"{(d['prompt_len'] + d['gen_len']) / (d['budget'] + 1):.0f}x as many dead "
-        "tokens as live. vToken's host time per step in each quarter of the "
+        f"{(d['prompt_len'] + d['gen_len']) / (d['budget'] + 1) - 1:.0f}x as many "
+        "dead tokens as live. vToken's host time per step in each quarter of the "
         "decode (medians over the runs, the versions taking turns); before: the "
-        "overlay before the live lists.",
+        "overlay `--baseline` holds.",
         {"policy": "l", "version": "l", "1st quarter ms": "r", "2nd": "r"}
         | {"3rd": "r", "4th": "r", "4th / 1st": "r"},
     )

@@ -539,10 +539,12 @@ def cmd_scale(args) -> dict:
                     "evicted_tokens": c["evicted_tokens"],
                 }
                 row["step_ratio"] = row["step_ms"] / out[f"{n}/none"]["step_ms"]
-                if args.baseline:  # the same run on the older overlay, next
+                if args.baseline:  # the same runs on the older overlay, next
                     env = versions(args)["before"]
                     old = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
                     row["before_host_ms"] = 1e-6 * statistics.median(host_ns(old, n))
+                    old = run_driver({"engine": {**eng, **extra}, **short}, env=env)
+                    row["before_hook_calls"] = statistics.median(hook_calls(old, n))
             out[f"{n}/{policy}"] = row
             print(f"scale {n:5d} {policy:13s} {row}")
     return {"rows": out, **pick(args, "batches", "prompt_len", "gen_len", "budget")}

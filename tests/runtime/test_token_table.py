@@ -4,6 +4,7 @@
 import numpy as np
 import pytest
 
+from vllm.vtoken.context import read_keys
 from vllm.vtoken.token_table import TokenTablePool
 
 B = 4
@@ -319,12 +320,12 @@ def test_read_keys_are_live_old_tokens_then_every_query():
     # new one; "b" decodes one token after 2 computed.
     pool.append("a", np.array([20, 21, 22, 23, 24]))
     pool.append("b", np.array([10]))
-    seg, idx, slot = pool.read_keys(pool.rows(["a", "b"]), np.array([0, 2]))
+    seg, idx, slot = read_keys(pool, pool.rows(["a", "b"]), np.array([0, 2]))
     np.testing.assert_array_equal(seg, [0, 0, 0, 0, 0, 1, 1, 1])
     np.testing.assert_array_equal(idx, [0, 1, 2, 3, 4, 0, 1, 2])  # dead 1 too
     np.testing.assert_array_equal(slot, [20, 21, 22, 23, 24, 8, 9, 10])
     pool.evict("b", np.array([0]))
-    seg, idx, slot = pool.read_keys(pool.rows(["b", "a"]), np.array([2, 5]))
+    seg, idx, slot = read_keys(pool, pool.rows(["b", "a"]), np.array([2, 5]))
     np.testing.assert_array_equal(seg, [0, 0, 1, 1, 1, 1])
     np.testing.assert_array_equal(idx, [1, 2, 0, 2, 3, 4])  # b's dead 0 out
     np.testing.assert_array_equal(slot, [9, 10, 20, 22, 23, 24])

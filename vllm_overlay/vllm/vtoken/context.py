@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm.vtoken.arena import segments
+
 if TYPE_CHECKING:
     from vllm.vtoken.cpu_attention import CpuReadPlan
     from vllm.vtoken.scores import ScoreAccumulator
@@ -58,3 +60,33 @@ def set_token_read(read: TokenRead | None) -> None:
 def get_token_read() -> TokenRead | None:
     """The token-read state of the forward pass in progress, if vToken is on."""
     return _current
+
+
+def read_keys(pool, rows: np.ndarray, computed: np.ndarray):
+    """The keys a step's token read attends to, for Token Table rows `rows`
+    (distinct) of `pool` (a TokenTablePool): each row's live tokens before
+    computed[i], then every token from there to its slotted end (the step's
+    queries, dead ones too: a resumed request recomputes them). Returns (seg,
+    idx, slot), int64, in logical order per row (`pool.live_tokens`'s)."""
+    rows, computed = np.asarray(rows, np.int64), np.asarray(computed, np.int64)
+    seg, idx, slot = pool.live_tokens(rows)
+    old = idx < computed[seg]
+    num_q = pool.num_slotted_rows(rows) - computed
+    if idx.size - np.count_nonzero(old) == num_q.sum():
+        return seg, idx, slot.astype(np.int64)  # every query is live: listed
+    seg, idx, slot = seg[old], idx[old], slot[old]
+    num_old = np.bincount(seg, minlength=rows.size)
+    q_seg, q_k = segments(num_q)
+    q_idx = computed[q_seg] + q_k
+    q_slot = pool.tokens_at(rows, q_seg, q_idx)
+    # Row i's keys are its old ones, then its queries, from out[i].
+    out = np.cumsum(num_old + num_q) - num_old - num_q
+    at = np.empty(idx.size + q_idx.size, np.int64)
+    at[: idx.size] = (
+        out[seg] + np.arange(idx.size) - (np.cumsum(num_old) - num_old)[seg]
+    )
+    at[idx.size :] = (out + num_old)[q_seg] + q_k
+    keys = [np.empty(at.size, np.int64) for _ in range(3)]
+    for dst, a, b in zip(keys, (seg, idx, slot), (q_seg, q_idx, q_slot), strict=True):
+        dst[at[: idx.size]], dst[at[idx.size :]] = a, b
+    return tuple(keys)

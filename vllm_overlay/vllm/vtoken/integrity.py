@@ -53,3 +53,63 @@ def check_blocks(pool, block_pool, req_to_blocks, reqs) -> None:
     assert free + int((ref[1:] > 0).sum()) == len(ref) - 1, (
         f"free ({free}) + held != total ({len(ref) - 1})"
     )
+
+
+def check_tables(pool, block_ref_cnt=None) -> None:
+    """`TokenTablePool.check_integrity` (token_table.py): the pool's arrays
+    recounted from its tables, read through its private fields."""
+    import numpy as np
+
+    B, total, owned = pool.block_size, 0, []
+    assert pool._a.regions_disjoint(), "token table regions overlap"
+    slotted = np.zeros(pool._slot.size, dtype=bool)
+    known = slotted.copy()
+    for rid, row in pool._row.items():
+        n_slotted, n_tokens = pool._n_slotted[row], pool._n_tokens[row]
+        assert 0 <= n_slotted <= n_tokens <= pool._a.cap[row], (
+            f"{rid}: lengths slotted={n_slotted} tokens={n_tokens}"
+        )
+        slotted[pool._a.span(row, n_slotted)] = True
+        known[pool._a.span(row, n_tokens)] = True
+        s = pool._slot[pool._a.span(row, n_slotted)]
+        assert ((s >= 0) & (s < pool.num_slots)).all(), f"{rid}: slot out of range"
+        n_live = int(np.count_nonzero(pool._live[pool._a.span(row, n_tokens)]))
+        assert n_live == pool._n_live[row], (
+            f"{rid}: live counter {pool._n_live[row]} != {n_live}"
+        )
+        total += n_live
+        n_listed = pool._n_listed[row]
+        listed = pool._listed[pool._a.span(row, pool._a.cap[row])]
+        on = listed[:n_listed][pool._live[pool._a.start[row] + listed[:n_listed]]]
+        want = np.flatnonzero(pool._live[pool._a.span(row, n_tokens)])
+        assert (
+            np.array_equal(on, want)
+            and (np.diff(listed[:n_listed]) > 0).all()
+            and (listed[n_listed:] == -1).all()
+        ), f"{rid}: live list {listed[:n_listed][:8]} != live bits {want[:8]}"
+        ls = pool._live_slots(row)
+        assert np.unique(ls).size == ls.size, f"{rid}: a slot used twice"
+        owned.append(ls.astype(np.int64))
+    assert (pool._slot[~slotted] == -1).all(), "a slot other than -1 unslotted"
+    assert not pool._live[~known].any(), "a live bit past num_tokens"
+    assert total == pool._total_live, (
+        f"total live counter {pool._total_live} != recount {total}"
+    )
+    slots = np.concatenate(owned) if owned else np.zeros(0, np.int64)
+    recount = np.bincount(slots // B, minlength=pool.num_blocks)
+    bad = np.flatnonzero(recount != pool.block_live)
+    assert bad.size == 0, (
+        f"block_live != recount from tables at blocks {bad[:8].tolist()}: "
+        f"{pool.block_live[bad[:8]].tolist()} vs {recount[bad[:8]].tolist()}"
+    )
+    uniq, counts = np.unique(slots, return_counts=True)
+    shared = uniq[counts > 1]
+    if block_ref_cnt is None:
+        assert shared.size == 0, f"slots owned by two requests: {shared[:8]}"
+        return
+    ref = np.asarray(block_ref_cnt)
+    assert (ref[shared // B] > 1).all(), (
+        f"slots owned twice in unshared blocks: {shared[ref[shared // B] <= 1][:8]}"
+    )
+    orphan = np.flatnonzero((pool.block_live > 0) & (ref[: pool.num_blocks] <= 0))
+    assert orphan.size == 0, f"live tokens in free blocks {orphan[:8].tolist()}"

@@ -150,36 +150,6 @@ class TokenTablePool:
             seg, idx, base = seg[keep], idx[keep], base[keep]
         return seg, idx, self._slot[base + idx]
 
-    def read_keys(self, rows: np.ndarray, computed: np.ndarray):
-        """What attention reads for `rows` (distinct): each row's live tokens
-        before computed[i], then every token from there to the slotted end
-        (the step's queries, dead ones too: a resumed request recomputes
-        them). (seg, idx, slot) as `live_tokens`, in logical order per row."""
-        rows, computed = np.asarray(rows, np.int64), np.asarray(computed, np.int64)
-        seg, idx, slot = self.live_tokens(rows)
-        old = idx < computed[seg]
-        num_q = self._n_slotted[rows] - computed
-        if idx.size - np.count_nonzero(old) == num_q.sum():
-            return seg, idx, slot.astype(np.int64)  # every query is live: listed
-        seg, idx, slot = seg[old], idx[old], slot[old]
-        num_old = np.bincount(seg, minlength=rows.size)
-        q_seg, q_k = segments(num_q)
-        q_idx = computed[q_seg] + q_k
-        q_slot = self._slot[self._a.start[rows][q_seg] + q_idx]
-        # Row i's keys are its old ones, then its queries, from out[i].
-        out = np.cumsum(num_old + num_q) - num_old - num_q
-        at = np.empty(idx.size + q_idx.size, np.int64)
-        at[: idx.size] = (
-            out[seg] + np.arange(idx.size) - (np.cumsum(num_old) - num_old)[seg]
-        )
-        at[idx.size :] = (out + num_old)[q_seg] + q_k
-        keys = [np.empty(at.size, np.int64) for _ in range(3)]
-        for dst, a, b in zip(
-            keys, (seg, idx, slot), (q_seg, q_idx, q_slot), strict=True
-        ):
-            dst[at[: idx.size]], dst[at[idx.size :]] = a, b
-        return tuple(keys)
-
     def tokens_at(self, rows: np.ndarray, seg: np.ndarray, idx) -> np.ndarray:
         """int32: the slots of tokens idx[j] of rows[seg[j]]."""
         return self._slot[self._a.start[np.asarray(rows)[seg]] + idx]
@@ -347,60 +317,9 @@ class TokenTablePool:
         """Recounts both views from the tables and asserts every invariant.
         With `block_ref_cnt` (int [num_blocks], the block pool's), a live slot
         may be in two requests only if its block is shared (ref > 1), and no
-        live token in a block with ref 0; without it, in one request only."""
-        B, total, owned = self.block_size, 0, []
-        assert self._a.regions_disjoint(), "token table regions overlap"
-        slotted = np.zeros(self._slot.size, dtype=bool)
-        known = slotted.copy()
-        for rid, row in self._row.items():
-            n_slotted, n_tokens = self._n_slotted[row], self._n_tokens[row]
-            assert 0 <= n_slotted <= n_tokens <= self._a.cap[row], (
-                f"{rid}: lengths slotted={n_slotted} tokens={n_tokens}"
-            )
-            slotted[self._a.span(row, n_slotted)] = True
-            known[self._a.span(row, n_tokens)] = True
-            s = self._slot[self._a.span(row, n_slotted)]
-            assert ((s >= 0) & (s < self.num_slots)).all(), f"{rid}: slot out of range"
-            n_live = int(np.count_nonzero(self._live[self._a.span(row, n_tokens)]))
-            assert n_live == self._n_live[row], (
-                f"{rid}: live counter {self._n_live[row]} != {n_live}"
-            )
-            total += n_live
-            n_listed = self._n_listed[row]
-            listed = self._listed[self._a.span(row, self._a.cap[row])]
-            on = listed[:n_listed][self._live[self._a.start[row] + listed[:n_listed]]]
-            want = np.flatnonzero(self._live[self._a.span(row, n_tokens)])
-            assert (
-                np.array_equal(on, want)
-                and (np.diff(listed[:n_listed]) > 0).all()
-                and (listed[n_listed:] == -1).all()
-            ), f"{rid}: live list {listed[:n_listed][:8]} != live bits {want[:8]}"
-            ls = self._live_slots(row)
-            assert np.unique(ls).size == ls.size, f"{rid}: a slot used twice"
-            owned.append(ls.astype(np.int64))
-        assert (self._slot[~slotted] == -1).all(), "a slot other than -1 unslotted"
-        assert not self._live[~known].any(), "a live bit past num_tokens"
-        assert total == self._total_live, (
-            f"total live counter {self._total_live} != recount {total}"
-        )
-        slots = np.concatenate(owned) if owned else np.zeros(0, np.int64)
-        recount = np.bincount(slots // B, minlength=self.num_blocks)
-        bad = np.flatnonzero(recount != self.block_live)
-        assert bad.size == 0, (
-            f"block_live != recount from tables at blocks {bad[:8].tolist()}: "
-            f"{self.block_live[bad[:8]].tolist()} vs {recount[bad[:8]].tolist()}"
-        )
-        uniq, counts = np.unique(slots, return_counts=True)
-        shared = uniq[counts > 1]
-        if block_ref_cnt is None:
-            assert shared.size == 0, f"slots owned by two requests: {shared[:8]}"
-            return
-        ref = np.asarray(block_ref_cnt)
-        assert (ref[shared // B] > 1).all(), (
-            f"slots owned twice in unshared blocks: {shared[ref[shared // B] <= 1][:8]}"
-        )
-        orphan = np.flatnonzero((self.block_live > 0) & (ref[: self.num_blocks] <= 0))
-        assert orphan.size == 0, f"live tokens in free blocks {orphan[:8].tolist()}"
+        live token in a block with ref 0; without it, in one request only.
+        (integrity.check_tables: kept beside the other checks.)"""
+        integrity.check_tables(self, block_ref_cnt)
 
     # ------------------------------------------------------------ internals
     # The arena's arrays and columns (re-read: growing may replace them).

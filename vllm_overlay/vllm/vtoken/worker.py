@@ -30,7 +30,7 @@ import torch
 from vllm.vtoken import integrity
 from vllm.vtoken.arena import lookup, ranges
 from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
-from vllm.vtoken.context import TokenRead, set_token_read
+from vllm.vtoken.context import TokenRead, read_keys, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
 from vllm.vtoken.cpu_attention import build_cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
@@ -212,7 +212,7 @@ class VTokenWorker:
         # its KV; it is attended this once and stays dead afterwards. Rows not
         # read get no keys: vLLM's kernel reads their positional KV.
         read = np.flatnonzero(reads)
-        seg, idx, slot = pool.read_keys(rows[read], computed[read])
+        seg, idx, slot = read_keys(pool, rows[read], computed[read])
         num_keys = np.zeros(num_reqs, dtype=np.int64)
         num_keys[read] = np.bincount(seg, minlength=read.size)
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
