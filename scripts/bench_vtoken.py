@@ -442,17 +442,15 @@ def plot_quality(data: dict, png: pathlib.Path) -> None:
             ax.legend()
 
 
-def host_ns(run: dict, n: int) -> list[int]:
-    """vToken's host time (ns) of each step where all n requests run, the
-    first two (prefill) left out."""
-    steady = [s for s in run["steps"] if s["running"] == n][2:]
-    return [b["vtoken_ns"] - a["vtoken_ns"] for a, b in itertools.pairwise(steady)]
+def steady(run: dict, n: int) -> list[dict]:
+    """The steps where all n requests run, the first two (prefill) left out."""
+    return [s for s in run["steps"] if s["running"] == n][2:]
 
 
-def hook_calls(run: dict, n: int) -> list[int]:
-    """Python and C calls inside vToken's hooks in each such step."""
-    steady = [s for s in run["steps"] if s["running"] == n][2:]
-    return [b["hook_calls"] - a["hook_calls"] for a, b in itertools.pairwise(steady)]
+def per_step(run: dict, n: int, counter: str) -> list[int]:
+    """How much a running total of the driver's (`vtoken_ns`: vToken's host
+    time; `hook_calls`: the calls in its hooks) grew in each steady step."""
+    return [b[counter] - a[counter] for a, b in itertools.pairwise(steady(run, n))]
 
 
 def versions(args) -> dict:
@@ -486,7 +484,8 @@ def cmd_history(args) -> dict:
         range(args.repeats), args.policies, versions(args).items()
     ):
         extra = policy_args(policy, args.budget, "vtoken")
-        ns = host_ns(run_driver({"engine": {**eng, **extra}, **spec}, env=env), n)
+        run = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
+        ns = per_step(run, n, "vtoken_ns")
         q = [1e-6 * statistics.median(part) for part in _quarters(ns)]
         quarters.setdefault(f"{policy}/{ver}", []).append(q)
         print(f"history {policy:13s} {ver:7s} host ms by quarter {q}")
@@ -523,8 +522,7 @@ def cmd_scale(args) -> dict:
         for policy in ["none", *args.policies]:
             extra = policy_args(policy, args.budget, "vtoken")
             run = run_driver({"engine": {**eng, **extra}, **spec})
-            steady = [s for s in run["steps"] if s["running"] == n][2:]
-            row = {"step_ms": statistics.median(s["step_ms"] for s in steady)}
+            row = {"step_ms": statistics.median(s["step_ms"] for s in steady(run, n))}
             if policy != "none":
                 c = run["counters"]
                 # The work, deterministically: calls inside the hooks per step
@@ -532,8 +530,8 @@ def cmd_scale(args) -> dict:
                 short = {**spec, "max_tokens": 16, "count_hook_calls": True}
                 counted = run_driver({"engine": {**eng, **extra}, **short})
                 row |= {
-                    "hook_calls": statistics.median(hook_calls(counted, n)),
-                    "host_ms": 1e-6 * statistics.median(host_ns(run, n)),
+                    "hook_calls": statistics.median(per_step(counted, n, "hook_calls")),
+                    "host_ms": 1e-6 * statistics.median(per_step(run, n, "vtoken_ns")),
                     "planner_ms": 1e-6 * c["planner_ns"] / max(1, c["plan_calls"]),
                     "plan_calls": c["plan_calls"],
                     "evicted_tokens": c["evicted_tokens"],
@@ -542,9 +540,11 @@ def cmd_scale(args) -> dict:
                 if args.baseline:  # the same runs on the older overlay, next
                     env = versions(args)["before"]
                     old = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
-                    row["before_host_ms"] = 1e-6 * statistics.median(host_ns(old, n))
+                    ns = per_step(old, n, "vtoken_ns")
+                    row["before_host_ms"] = 1e-6 * statistics.median(ns)
                     old = run_driver({"engine": {**eng, **extra}, **short}, env=env)
-                    row["before_hook_calls"] = statistics.median(hook_calls(old, n))
+                    calls = per_step(old, n, "hook_calls")
+                    row["before_hook_calls"] = statistics.median(calls)
             out[f"{n}/{policy}"] = row
             print(f"scale {n:5d} {policy:13s} {row}")
     return {"rows": out, **pick(args, "batches", "prompt_len", "gen_len", "budget")}

@@ -78,10 +78,8 @@ def values(table: dict, keys: Sequence) -> list:
 
 
 def lookup(table: dict, keys: Sequence, dtype=np.int64) -> np.ndarray:
-    """np.array([table[k] for k in keys]), the loop in C (KeyError if absent)."""
-    if len(keys) <= 1:
-        return np.array([table[k] for k in keys], dtype=dtype)
-    return np.array(itemgetter(*keys)(table), dtype=dtype)
+    """`values(table, keys)` as an array."""
+    return np.array(values(table, keys), dtype=dtype)
 
 
 class RowArena:

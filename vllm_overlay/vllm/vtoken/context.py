@@ -74,19 +74,12 @@ def read_keys(pool, rows: np.ndarray, computed: np.ndarray):
     num_q = pool.num_slotted_rows(rows) - computed
     if idx.size - np.count_nonzero(old) == num_q.sum():
         return seg, idx, slot.astype(np.int64)  # every query is live: listed
-    seg, idx, slot = seg[old], idx[old], slot[old]
-    num_old = np.bincount(seg, minlength=rows.size)
+    # A resumed request recomputes dead tokens (rare): its old live tokens,
+    # then every query, each row in logical order.
     q_seg, q_k = segments(num_q)
     q_idx = computed[q_seg] + q_k
-    q_slot = pool.tokens_at(rows, q_seg, q_idx)
-    # Row i's keys are its old ones, then its queries, from out[i].
-    out = np.cumsum(num_old + num_q) - num_old - num_q
-    at = np.empty(idx.size + q_idx.size, np.int64)
-    at[: idx.size] = (
-        out[seg] + np.arange(idx.size) - (np.cumsum(num_old) - num_old)[seg]
-    )
-    at[idx.size :] = (out + num_old)[q_seg] + q_k
-    keys = [np.empty(at.size, np.int64) for _ in range(3)]
-    for dst, a, b in zip(keys, (seg, idx, slot), (q_seg, q_idx, q_slot), strict=True):
-        dst[at[: idx.size]], dst[at[idx.size :]] = a, b
-    return tuple(keys)
+    seg = np.concatenate([seg[old], q_seg])
+    idx = np.concatenate([idx[old], q_idx])
+    slot = np.concatenate([slot[old], pool.tokens_at(rows, q_seg, q_idx)])
+    order = np.lexsort((idx, seg))
+    return seg[order], idx[order], slot[order].astype(np.int64)

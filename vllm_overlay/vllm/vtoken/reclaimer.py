@@ -117,9 +117,9 @@ class BlockReclaimer:
             busy = self._busy.__contains__
             idle = ~np.fromiter(map(busy, blk.tolist()), bool, blk.size)
             seg, blk = seg[idle], blk[idle]
-        cut = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]][: seg.size]).tolist()
-        freed = []
-        for k, lo, hi in zip(seg[cut].tolist(), cut, cut[1:] + [seg.size], strict=True):
+        reqs, cut = np.unique(seg, return_index=True)  # seg is sorted
+        cut, freed = cut.tolist(), []
+        for k, lo, hi in zip(reqs.tolist(), cut, cut[1:] + [seg.size], strict=True):
             rid, held = rids[k], self.positional(rids[k])
             entries = self.blocks.find(rid, blk[lo:hi].tolist())
             # Its own (unshared) ones, in list order.

@@ -212,12 +212,11 @@ class VTokenWorker:
         # its KV; it is attended this once and stays dead afterwards. Rows not
         # read get no keys: vLLM's kernel reads their positional KV.
         read = np.flatnonzero(reads)
-        seg, idx, slot = read_keys(pool, rows[read], computed[read])
+        seg, idx, kv_np = read_keys(pool, rows[read], computed[read])
         num_keys = np.zeros(num_reqs, dtype=np.int64)
         num_keys[read] = np.bincount(seg, minlength=read.size)
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_keys, out=kv_indptr[1:])
-        kv_np = slot
         if self.scores is not None:
             self.scores.begin_step(kv_np.size)
             self._read_keys = (list(rids), idx)
