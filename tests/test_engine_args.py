@@ -144,6 +144,20 @@ def test_models_the_read_was_not_built_for_are_refused(model_kind, what):
         vllm_config.vtoken_config.verify_and_update_config(vllm_config)
 
 
+def test_an_install_without_numba_is_refused(monkeypatch):
+    import importlib.util
+
+    vllm_config = make_config(kv_eviction_policy="h2o", kv_budget_tokens=64)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda n, *a: None if n == "numba" else find_spec(n, *a),
+    )
+    with pytest.raises(ValueError, match="does not support an install without numba"):
+        vllm_config.vtoken_config.verify_and_update_config(vllm_config)
+
+
 def test_an_fp8_kv_cache_is_refused():
     with pytest.raises(Exception, match="does not support --kv-cache-dtype fp8"):
         make_config(kv_eviction_policy="h2o", kv_budget_tokens=64, kv_cache_dtype="fp8")

@@ -498,7 +498,7 @@ def test_one_plan_serves_every_layer():
     plan = build_cpu_read_plan(
         b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
     )
-    assert plan.decode and plan.others  # both paths exercised
+    assert plan.num_decode and plan.others  # both paths exercised
     outs = []
     for _ in range(2):
         out = torch.full_like(b["query"], float("nan"))

@@ -351,3 +351,39 @@ def test_a_live_list_is_compacted_once_it_holds_as_many_dead_as_live():
     assert pool._n_listed[row] < 2 * 50 + 16  # compacted along the way
     np.testing.assert_array_equal(pool.live_tokens([row])[1], np.arange(150, 200))
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_batch_ops_agree_with_a_dense_recount(seed):
+    # The batch ops are compiled loops (table_kernels): after every one of a
+    # random run of appends, evictions, preemptions and releases, the live
+    # walk equals the dense table's live tokens and check_integrity's
+    # NumPy recount of block_live and the live lists passes.
+    rng = np.random.default_rng(seed)
+    pool = TokenTablePool(4096, B)
+    free = list(rng.permutation(4096 * B))
+    names = [f"r{i}" for i in range(12)]
+    for rid in names:
+        pool.add_request(rid)
+    for _ in range(60):
+        rids = list(rng.choice(names, size=rng.integers(1, 8), replace=False))
+        rows = pool.rows(rids)
+        op = rng.integers(10)
+        if op < 5:  # a step's tokens (a resumed row re-slots its known ones)
+            counts = rng.integers(0, 40, size=len(rids))
+            pool.append_rows(rows, counts, [free.pop() for _ in range(counts.sum())])
+        elif op < 9:  # evictions: some live slotted tokens of each row
+            seg, idx, _ = pool.live_tokens(rows)
+            pick = rng.random(idx.size) < rng.random()
+            counts = np.bincount(seg[pick], minlength=len(rids))
+            pool.evict_rows(rows, np.r_[0, np.cumsum(counts)], idx[pick])
+        else:
+            pool.reset_slots(rids[0]) if rng.random() < 0.7 else pool.release(rids[0])
+            if rids[0] not in pool:
+                pool.add_request(rids[0])
+        seg, idx, live, slot = pool.tokens(pool.rows(names))
+        got = pool.live_tokens(pool.rows(names))
+        for a, b in zip(got, (seg[live], idx[live], slot[live]), strict=True):
+            np.testing.assert_array_equal(a, b)
+        pool.check_integrity()
+    assert pool.total_live() == sum(pool.num_live(r) for r in names)

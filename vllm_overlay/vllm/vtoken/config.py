@@ -10,6 +10,7 @@ annotations as real types.)
 """
 
 import importlib.metadata
+import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -153,6 +154,12 @@ class VTokenConfig:
                 f"the {current_platform.device_name} platform",
                 "the token-level attention read exists for CPU_ATTN and "
                 "TRITON_ATTN only",
+            )
+        if importlib.util.find_spec("numba") is None:
+            refuse(
+                "an install without numba",
+                "the Token Tables' per-step loops are compiled with it (vLLM "
+                "installs it on every platform but s390x)",
             )
         if vllm_config.speculative_config is not None:
             refuse("speculative decoding", "rejected tokens would need un-eviction")

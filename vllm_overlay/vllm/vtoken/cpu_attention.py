@@ -70,22 +70,22 @@ class CpuReadPlan:
     address each request's live keys (padding repeats a valid slot and is
     masked by `valid`); `v_rows` `[R * H * W]` are the same keys as rows of the
     value cache viewed `[N * H * B, D]`, one per KV head. Requests with several
-    queries (prefills) read `other_slots`, request `others[i]`'s keys being
-    entries `[other_loc[i], other_loc[i + 1])`. `score_pos` lists every key
-    read (its position in `kv_slots`), in the order the masses are concatenated.
-    A request whose output vLLM's kernel already wrote (`decode_write` /
-    `other_write` False) is read for its attention masses only.
+    queries (prefills) read `other_slots`: request `others[i]` has query rows
+    `other_q[i]` and keys `[other_loc[i], other_loc[i + 1])` of it. `score_pos`
+    lists every key read (its position in `kv_slots`), in the order the masses
+    are concatenated. A request whose output vLLM's kernel already wrote
+    (`decode_write` / `other_write` False) is read for its attention masses
+    only.
     """
 
-    q_loc: list[int]
-    kv_loc: list[int]
-    decode: list[int]
+    num_decode: int
     q_rows: torch.Tensor  # [R] int64: query row of each decode request
     blk: torch.Tensor  # [R, W] int64
     off: torch.Tensor  # [R, W] int64
     v_rows: torch.Tensor  # [R * H * W] int64
     valid: torch.Tensor  # [R, W] bool
     others: list[int]
+    other_q: list[tuple[int, int]]
     other_slots: torch.Tensor  # [S'] int64
     other_loc: list[int]
     score_pos: torch.Tensor  # [S''] int64
@@ -96,7 +96,7 @@ class CpuReadPlan:
 def build_cpu_read_plan(
     query_start_loc: np.ndarray,
     kv_indptr: np.ndarray,
-    kv_slots: torch.Tensor,
+    kv_slots: np.ndarray,
     block_size: int,
     num_kv_heads: int,
     write: np.ndarray | None = None,
@@ -112,9 +112,12 @@ def build_cpu_read_plan(
         num_kv_heads: H of the cache.
         write: `[R]` bool, whose output the read writes (default: all).
     """
+    from vllm.vtoken.read_kernels import decode_index  # numba: vToken on only
+
     q_loc = np.asarray(query_start_loc, dtype=np.int64)
     kv_loc = np.asarray(kv_indptr, dtype=np.int64)
-    assert q_loc.shape == kv_loc.shape and kv_loc[-1] == kv_slots.numel(), (
+    slots = np.asarray(kv_slots, dtype=np.int64)
+    assert q_loc.shape == kv_loc.shape and kv_loc[-1] == slots.size, (
         "query_start_loc, kv_indptr and kv_slots disagree"
     )
     num_q, num_k = np.diff(q_loc), np.diff(kv_loc)
@@ -124,32 +127,28 @@ def build_cpu_read_plan(
     )
     decode = np.flatnonzero(read & (num_q == 1))
     others = np.flatnonzero(read & (num_q > 1))
-    lens = num_k[decode]
-    pos = np.arange(int(lens.max()) if lens.size else 0)
-    valid = pos[None, :] < lens[:, None]
-    idx = torch.from_numpy(np.where(valid, kv_loc[decode][:, None] + pos, 0))
-    padded = kv_slots[idx]
-    blk, off = padded // block_size, padded % block_size
-    heads = torch.arange(num_kv_heads)[None, :, None]
-    v_rows = (blk[:, None, :] * num_kv_heads + heads) * block_size + off[:, None, :]
-    valid_t = torch.from_numpy(valid)
-    sel = ranges(kv_loc[others], num_k[others])
-    other_slots = kv_slots[torch.from_numpy(sel)]
+    width = int(num_k[decode].max()) if decode.size else 0
+    blk, off, v_rows, valid = decode_index(
+        kv_loc, decode, slots, width, block_size, num_kv_heads
+    )
+    # Every key read, decode requests' first (row-major over `valid`).
+    read_order = np.concatenate([decode, others])
+    score_pos = ranges(kv_loc[read_order], num_k[read_order])
+    sel = score_pos[score_pos.size - int(num_k[others].sum()) :]
     if write is None:
         write = np.ones(len(num_q), dtype=bool)
     return CpuReadPlan(
-        q_loc=q_loc.tolist(),
-        kv_loc=kv_loc.tolist(),
-        decode=decode.tolist(),
+        num_decode=decode.size,
         q_rows=torch.from_numpy(q_loc[decode]),
-        blk=blk,
-        off=off,
-        v_rows=v_rows.reshape(-1),
-        valid=valid_t,
+        blk=torch.from_numpy(blk),
+        off=torch.from_numpy(off),
+        v_rows=torch.from_numpy(v_rows),
+        valid=torch.from_numpy(valid),
         others=others.tolist(),
-        other_slots=other_slots,
+        other_q=list(zip(q_loc[others].tolist(), q_loc[others + 1].tolist())),
+        other_slots=torch.from_numpy(slots[sel]),
         other_loc=np.r_[0, np.cumsum(num_k[others])].tolist(),
-        score_pos=torch.cat([idx[valid_t], torch.from_numpy(sel)]),
+        score_pos=torch.from_numpy(score_pos),
         decode_write=None if write[decode].all() else torch.from_numpy(write[decode]),
         other_write=write[others].tolist(),
     )
@@ -195,14 +194,13 @@ def cpu_token_attention(
     out = output.view(output.shape[0], num_q_heads, head_dim)
     masses = []
     top = scores is not None and scores.aggregate == "max"
-    if plan.decode:
+    if plan.num_decode:
         mass = _decode_batched(query, key_cache, value_cache, out, plan, scale, top)
         masses.append(mass[plan.valid])
     if plan.others:
         key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
         gqa = num_q_heads != key.shape[1]
-        for i, r in enumerate(plan.others):
-            q0, q1 = plan.q_loc[r], plan.q_loc[r + 1]
+        for i, (q0, q1) in enumerate(plan.other_q):
             k0, k1 = plan.other_loc[i], plan.other_loc[i + 1]
             q = query[q0:q1].transpose(0, 1)  # [Hq, Lq, D]
             k = key[k0:k1].transpose(0, 1)  # [H, Lk, D]
@@ -244,7 +242,7 @@ def _decode_batched(
     # several times faster than advanced indexing). Returns the mass [R, W],
     # summed over query heads, or the largest one head gave (`top`).
     num_blocks, heads, block, head_dim = key_cache.shape
-    num_reqs, num_q_heads = len(plan.decode), query.shape[1]
+    num_reqs, num_q_heads = plan.num_decode, query.shape[1]
     h = torch.arange(heads)[None, :, None]
     blk, off = plan.blk[:, None, :], plan.off[:, None, :]
     k = key_cache.view(num_blocks, heads, head_dim, block)[blk, h, :, off]

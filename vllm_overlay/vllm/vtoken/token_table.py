@@ -45,6 +45,11 @@ class TokenTablePool:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
+        # Compiled batch passes; imported here, so that numba loads (and its
+        # kernels compile, or come from its cache) only with vToken on.
+        from vllm.vtoken import table_kernels
+
+        self._k = table_kernels
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self.num_slots = self.num_blocks * self.block_size
@@ -55,7 +60,7 @@ class TokenTablePool:
         # long generation's dead history: entries [0, n_listed) of `listed`
         # are logical indices, ascending, of every live token and of tokens
         # that died since the list was last compacted (-1 past them). A list
-        # is compacted once it holds as many dead as live (`_compact_lists`).
+        # is compacted once it holds as many dead as live (table_kernels.evict_rows).
         self._a = RowArena(
             {"slot": (np.int32, -1), "live": (bool, False), "listed": (np.int32, -1)},
             ("n_tokens", "n_slotted", "n_live", "n_listed", "n_dead_marked"),
@@ -103,31 +108,18 @@ class TokenTablePool:
             return
         rows, counts = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
         assert counts.sum() == s.size, "counts do not add up to the slots"
-        first = self._n_slotted[rows]
-        end = first + counts
-        seg, k = segments(counts)
         if integrity.CHECK:
             assert np.unique(rows).size == rows.size, "a row twice in one batch"
+            seg = np.repeat(np.arange(rows.size), counts)
             key = seg * self.num_slots + s
             assert np.unique(key).size == key.size, "slots holds a slot twice"
-        self._a.reserve(rows, end)
-        tok = first[seg] + k
-        base = self._a.start[rows][seg]
-        pos = base + tok
-        self._slot[pos] = s
-        known = self._n_tokens[rows][seg]
-        new = tok >= known
-        self._live[pos[new]] = True
-        # New tokens are the newest: they go at the live list's end.
-        at = (self._n_listed[rows][seg] + tok - known)[new]
-        self._listed[base[new] + at] = tok[new]
-        num_new = np.bincount(seg[new], minlength=rows.size)
-        self._n_live[rows] += num_new
-        self._n_listed[rows] += num_new
-        self._total_live += int(num_new.sum())
-        self._n_tokens[rows] = np.maximum(self._n_tokens[rows], end)
-        self._count(s[self._live[pos]], +1)
-        self._n_slotted[rows] = end
+        self._a.reserve(rows, self._n_slotted[rows] + counts)
+        a, c = self._a.data, self._a.cols
+        self._total_live += self._k.append_rows(
+            rows, counts, s, self._a.start, c["n_tokens"], c["n_slotted"],
+            c["n_live"], c["n_listed"], a["slot"], a["live"], a["listed"],
+            self.block_live, self.block_size,
+        )  # fmt: skip
 
     def tokens(self, rows: np.ndarray):
         """Every slotted token of `rows`, flat: (seg, idx, live, slot), the
@@ -140,15 +132,11 @@ class TokenTablePool:
     def live_tokens(self, rows: np.ndarray):
         """The live slotted tokens of `rows`, flat, in logical order: (seg,
         idx, slot), int64 (slot int32). O(live tokens): the live lists."""
-        rows = np.asarray(rows, np.int64)
-        seg, k = segments(self._n_listed[rows])
-        base = self._a.start[rows][seg]
-        idx = self._listed[base + k].astype(np.int64)
-        # Live, and slotted (all but a preempted request's are).
-        keep = self._live[base + idx] & (idx < self._n_slotted[rows][seg])
-        if not keep.all():
-            seg, idx, base = seg[keep], idx[keep], base[keep]
-        return seg, idx, self._slot[base + idx]
+        a, c = self._a.data, self._a.cols
+        return self._k.live_tokens(
+            np.asarray(rows, np.int64), self._a.start, c["n_listed"],
+            c["n_slotted"], a["listed"], a["live"], a["slot"],
+        )  # fmt: skip
 
     def tokens_at(self, rows: np.ndarray, seg: np.ndarray, idx) -> np.ndarray:
         """int32: the slots of tokens idx[j] of rows[seg[j]]."""
@@ -160,36 +148,16 @@ class TokenTablePool:
         i = as_index(idx, "idx")
         if i.size == 0:
             return
-        rows = np.asarray(rows, np.int64)
-        counts = np.diff(indptr)
-        seg = np.repeat(np.arange(rows.size), counts)
+        rows, indptr = np.asarray(rows, np.int64), np.asarray(indptr, np.int64)
         if integrity.CHECK:
-            self._check_idx(rows, seg, i)
-        start = self._a.start[rows]
-        pos = start[seg] + i
-        assert self._live[pos].all(), f"tokens {i[~self._live[pos]][:8]} already dead"
-        self._live[pos] = False
-        self._count(self._slot[pos], -1)
-        self._n_live[rows] -= counts
+            self._check_idx(rows, np.repeat(np.arange(rows.size), np.diff(indptr)), i)
+        a, c = self._a.data, self._a.cols
+        bad = self._k.evict_rows(
+            rows, indptr, i, self._a.start, c["n_live"], c["n_listed"],
+            a["slot"], a["live"], a["listed"], self.block_live, self.block_size,
+        )  # fmt: skip
+        assert bad < 0, f"token {i[bad]} (entry {bad} of idx) is already dead"
         self._total_live -= i.size
-        n_live = self._n_live[rows]
-        full = self._n_listed[rows] - n_live >= np.maximum(n_live, 16)
-        if full.any():  # as many dead as live listed (and a few): compact
-            self._compact_lists(rows[full])
-
-    def _compact_lists(self, rows: np.ndarray) -> None:
-        # The live lists of `rows`, rewritten without their dead: O(listed),
-        # once per as many evictions, so O(1) per eviction.
-        start = self._a.start[rows]
-        seg, k = segments(self._n_listed[rows])
-        listed = self._listed[start[seg] + k]
-        stays = self._live[start[seg] + listed]
-        self._listed[start[seg] + k] = -1
-        seg, listed = seg[stays], listed[stays]
-        n_live = self._n_live[rows]
-        rank = np.arange(seg.size) - (np.cumsum(n_live) - n_live)[seg]
-        self._listed[start[seg] + rank] = listed
-        self._n_listed[rows] = n_live
 
     # ------------------------------------------------------------ mutations
     def append(self, req_id: str, slots: np.ndarray) -> None:

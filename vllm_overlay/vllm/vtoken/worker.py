@@ -223,7 +223,7 @@ class VTokenWorker:
         if self._device.type == "cpu":
             kv_slots = torch.from_numpy(kv_np)
             plan = build_cpu_read_plan(
-                qsl, kv_indptr, kv_slots, B, self._num_kv_heads, write=writes
+                qsl, kv_indptr, kv_np, B, self._num_kv_heads, write=writes
             )
         else:
             from vllm.vtoken.triton_plan import build_triton_read_plan

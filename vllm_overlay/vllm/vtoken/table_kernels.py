@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compiled loops of the Token Table's per-step passes (numba).
+
+Host side, both the scheduler's and the worker's tables. A step's walk over
+the batch's tokens (slotting, eviction, the live lists) was a dozen NumPy
+passes, each a temporary array of every token touched, plus a fixed cost per
+call: at 1,024 requests most of a step's host time (docs/RESULTS.md, scale).
+Here each is one loop over the rows and their tokens, in place. numba is a
+vLLM dependency on every platform vToken runs on (vLLM's n-gram proposer
+compiles with it); config.py refuses to start without it.
+
+Signatures are explicit, so the kernels are compiled when this module is
+imported (or loaded from numba's cache beside it) and never in a step; an
+argument of another dtype or layout is a TypeError, not a recompile. The
+callers (token_table.py) own the checks: these assume valid, distinct rows.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_i64, _i32, _b1 = numba.int64[::1], numba.int32[::1], numba.boolean[::1]
+_jit = {"cache": True, "nogil": True}
+
+
+@numba.njit(
+    numba.types.Tuple((_i64, _i64, _i32))(_i64, _i64, _i64, _i64, _i32, _b1, _i32),
+    **_jit,
+)
+def live_tokens(rows, start, n_listed, n_slotted, listed, live, slot):
+    """(seg, idx, slot) of the live slotted tokens of `rows`, in logical order
+    per row: each row's live list, without the dead and the unslotted."""
+    n = 0
+    for r in rows:
+        n += n_listed[r]
+    seg, idx, out = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int32)
+    m = 0
+    for i in range(rows.size):
+        r = rows[i]
+        base, end = start[r], n_slotted[r]
+        for j in range(base, base + n_listed[r]):
+            t = listed[j]
+            if t < end and live[base + t]:
+                seg[m], idx[m], out[m] = i, t, slot[base + t]
+                m += 1
+    return seg[:m], idx[:m], out[:m]
+
+
+@numba.njit(
+    numba.int64(
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i32,
+        _b1,
+        _i32,
+        _i32,
+        numba.int64,
+    ),
+    **_jit,
+)
+def append_rows(
+    rows, counts, slots, start, n_tokens, n_slotted, n_live, n_listed,
+    slot, live, listed, block_live, block_size,
+):  # fmt: skip
+    """Row i takes the next counts[i] of `slots` (TokenTablePool.append_rows;
+    regions already reserved). Tokens never slotted before are born live and
+    listed last; re-slotted ones keep their bit. Every live token's block
+    counts it. Returns the number of new tokens."""
+    k = total = 0
+    for i in range(rows.size):
+        r = rows[i]
+        base, first, known = start[r], n_slotted[r], n_tokens[r]
+        end, new = first + counts[i], 0
+        for t in range(first, end):
+            s = slots[k]
+            k += 1
+            slot[base + t] = s
+            if t >= known:  # the newest tokens: appended to the live list
+                live[base + t] = True
+                listed[base + n_listed[r] + new] = t
+                new += 1
+            if live[base + t]:
+                block_live[s // block_size] += 1
+        n_live[r] += new
+        n_listed[r] += new
+        total += new
+        n_tokens[r] = max(known, end)
+        n_slotted[r] = end
+    return total
+
+
+@numba.njit(
+    numba.int64(_i64, _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64),
+    **_jit,
+)
+def evict_rows(
+    rows, indptr, idx, start, n_live, n_listed, slot, live, listed, block_live,
+    block_size,
+):  # fmt: skip
+    """Row i's tokens idx[indptr[i]:indptr[i + 1]] die (TokenTablePool.
+    evict_rows): bits cleared, blocks uncounted, and a live list holding as
+    many dead as live (and 16) compacted. Returns -1, or the position in
+    `idx` of a token already dead (then nothing changed)."""
+    for i in range(rows.size):
+        base = start[rows[i]]
+        for j in range(indptr[i], indptr[i + 1]):
+            if not live[base + idx[j]]:
+                return j
+    for i in range(rows.size):
+        r = rows[i]
+        base = start[r]
+        for j in range(indptr[i], indptr[i + 1]):
+            p = base + idx[j]
+            live[p] = False
+            block_live[slot[p] // block_size] -= 1
+        n_live[r] -= indptr[i + 1] - indptr[i]
+        if n_listed[r] - n_live[r] >= max(n_live[r], 16):  # compact
+            m = base
+            for j in range(base, base + n_listed[r]):
+                t = listed[j]
+                listed[j] = -1
+                if live[base + t]:
+                    listed[m] = t
+                    m += 1
+            n_listed[r] = n_live[r]
+    return -1
