@@ -145,7 +145,9 @@ def build_cpu_read_plan(
         v_rows=torch.from_numpy(v_rows),
         valid=torch.from_numpy(valid),
         others=others.tolist(),
-        other_q=list(zip(q_loc[others].tolist(), q_loc[others + 1].tolist())),
+        other_q=list(
+            zip(q_loc[others].tolist(), q_loc[others + 1].tolist(), strict=True)
+        ),
         other_slots=torch.from_numpy(slots[sel]),
         other_loc=np.r_[0, np.cumsum(num_k[others])].tolist(),
         score_pos=torch.from_numpy(score_pos),
