@@ -32,10 +32,11 @@ COPY vllm_overlay/ /opt/vtoken/vllm_overlay/
 # SITE is the folder holding the image's installed vllm/ (found without importing
 # vLLM). The dry run fails the build, naming the patch, unless the whole series
 # applies with zero fuzz; after applying, --reverse --check verifies every patched
-# and overlay file against the manifest, and the import proves the overlay loads.
+# and overlay file against the manifest, and the import proves the overlay loads
+# (and compiles its numba loops into numba's cache, so no server start pays it).
 RUN site="$(python3 -c 'import importlib.util as u, os; print(os.path.dirname(list(u.find_spec("vllm").submodule_search_locations)[0]))')" \
     && echo "vLLM site: $site" \
     && bash /opt/vtoken/apply.sh --check "$site" \
     && bash /opt/vtoken/apply.sh "$site" \
     && bash /opt/vtoken/apply.sh --reverse --check "$site" \
-    && python3 -c "import vllm.vtoken"
+    && python3 -c "import vllm.vtoken.table_kernels, vllm.vtoken.read_kernels"

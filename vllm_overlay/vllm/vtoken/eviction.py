@@ -76,6 +76,9 @@ class EvictionRuntime:
                 same for many requests in one call (the step path).
         """
         assert budget is None or budget > 0, budget
+        # The policies' compiled selection (numba): loaded now, not in a step.
+        import vllm.vtoken.policies.selection_kernels  # noqa: F401
+
         self.pool = pool
         self.policy = policy
         self.budget = budget

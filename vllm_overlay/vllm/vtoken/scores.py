@@ -80,6 +80,9 @@ class ScoreAccumulator:
         self.query_window = query_window
         self.device = torch.device(device)
         self._acc = RowArena({"acc": (np.float32, 0.0)})
+        from vllm.vtoken import fold_kernels  # numba: only with vToken on
+
+        self._k = fold_kernels
         self._step = torch.zeros(0, dtype=torch.float32, device=self.device)
 
     @classmethod
@@ -191,12 +194,12 @@ class ScoreAccumulator:
             acc.add(rid)
         rows = acc.rows(ids)
         acc.reserve(rows, np.maximum.reduceat(idx, indptr[:-1]) + 1)
-        pos = acc.start[np.repeat(rows, np.diff(indptr))] + idx
-        a = acc.data["acc"]
-        if self.window is None:
-            a[pos] += gain
-        else:  # a moving average, not a count
-            a[pos] += (gain - a[pos]) / self.window
+        # Added, or with a window a moving average (not a count).
+        self._k.fold(
+            rows, np.asarray(indptr, np.int64), np.asarray(idx, np.int64),
+            np.asarray(gain, np.float32), acc.start, acc.data["acc"],
+            self.window or 0,
+        )  # fmt: skip
 
     def scores(self, req_id: str, idx: np.ndarray) -> np.ndarray:
         """float32 [n]: `req_id`'s scores of logical tokens `idx` (0: unseen)."""
@@ -211,11 +214,9 @@ class ScoreAccumulator:
         if not req_ids or not self._acc.index:
             return out
         rows = self._acc.rows_or_missing(req_ids)
-        seg = np.zeros(idx.size, np.int64) if seg is None else np.asarray(seg)
-        r = rows[seg]
-        seen = (r >= 0) & (idx < self._acc.cap[np.maximum(r, 0)])
-        out[seen] = self._acc.data["acc"][self._acc.start[r[seen]] + idx[seen]]
-        return out
+        seg = np.zeros(idx.size, np.int64) if seg is None else np.asarray(seg, np.int64)
+        a = self._acc
+        return self._k.gather(rows, seg, idx, a.start, a.cap, a.data["acc"])
 
     def release(self, req_id: str) -> None:
         """Forgets a request's scores (finished, or preempted: they restart)."""

@@ -101,6 +101,8 @@ class VTokenWorker:
         # CPU cache [2, N, H, B, D]: the read plan addresses V rows per KV head.
         self._num_kv_heads = kv_caches[0].shape[2] if layout == "cpu" else 0
         self.executor = KVCopyExecutor(kv_caches, layout, B)
+        if layout == "cpu":  # numba: compile (or load) now, not in a step
+            import vllm.vtoken.read_kernels  # noqa: F401
         if layout == "triton":  # compile now, not in the first requests' steps
             from vllm.vtoken.triton_attention import warm_up
 

@@ -24,46 +24,20 @@ def lowest_batch(
     batch: BatchView, num_evict: np.ndarray, key: np.ndarray, protected: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """`select_lowest` for every request at once: per request, the evictable
-    unprotected tokens with the lowest `key` (ties: oldest first), then the
-    protected evictable ones oldest first. Returns (counts, idx)."""
-    want = np.asarray(num_evict, dtype=np.int64)
-    first = batch.evictable & ~protected
-    few = int(want.max(initial=0))
-    # The steady state, a token or two over budget each, and well-formed:
-    # every request has enough candidates, none is empty, no key is NaN.
-    if 0 < few <= FEW_ROUNDS and (np.diff(batch.indptr) > 0).all():
-        enough = np.bincount(batch.seg[first], minlength=want.size) >= want
-        if enough.all() and not np.isnan(key[first]).any():
-            return want.copy(), _lowest_by_rounds(batch, want, few, key, first)
-    tier = np.where(protected, 1, 0) + np.where(batch.evictable, 0, 2)
-    tier = np.minimum(tier, 2)
-    key = np.where(tier == 0, key, 0)
-    order = np.lexsort((batch.live_idx, key, tier, batch.seg))
-    seg = batch.seg[order]
-    rank = np.arange(seg.size) - batch.indptr[seg]
-    take = (rank < np.asarray(num_evict)[seg]) & (tier[order] < 2)
-    counts = np.bincount(seg[take], minlength=len(batch.req_ids))
-    return counts.astype(np.int64), batch.live_idx[order][take]
+    unprotected tokens with the lowest `key` (ties: oldest first; NaN keys
+    last), then the protected evictable ones oldest first. Returns (counts,
+    idx), idx request by request. One compiled pass over the batch
+    (selection_kernels.lowest)."""
+    from vllm.vtoken.policies.selection_kernels import lowest  # numba: vToken on
 
-
-# Up to this many victims per request, `lowest_batch` takes them one round
-# at a time (a segmented minimum: O(N) each) instead of sorting (O(N log N)).
-FEW_ROUNDS = 4
-
-
-def _lowest_by_rounds(batch, want, rounds, key, cand) -> np.ndarray:
-    # Round r takes, in every request still wanting one, its lowest-keyed
-    # candidate (ties: the oldest, the first in the run); the same choice as
-    # the lexsort when every request has enough unprotected candidates.
-    masked = np.where(cand, key, np.inf).astype(np.float64)
-    cand, seg, picks = cand.copy(), batch.seg, []
-    for r in range(rounds):
-        low = np.minimum.reduceat(masked, batch.indptr[:-1])
-        hit = np.flatnonzero(cand & (masked == low[seg]) & (want[seg] > r))
-        hit = hit[np.r_[True, seg[hit][1:] != seg[hit][:-1]]] if hit.size else hit
-        masked[hit], cand[hit] = np.inf, False
-        picks.append(hit)
-    return batch.live_idx[np.sort(np.concatenate(picks))]
+    counts, pos = lowest(
+        np.asarray(batch.indptr, np.int64),
+        np.ascontiguousarray(batch.evictable, bool),
+        np.ascontiguousarray(protected, bool),
+        np.asarray(key, np.float64),
+        np.asarray(num_evict, np.int64).reshape(-1),
+    )
+    return counts, batch.live_idx[pos]
 
 
 def hash_uniform(seeds: np.ndarray, idx: np.ndarray, nonce: np.ndarray) -> np.ndarray:

@@ -1,0 +1,47 @@
+"""ScoreAccumulator's compiled fold and read (fold_kernels) against a dict of
+per-request float32 arrays updated the way the docstring says."""
+
+import numpy as np
+import pytest
+
+from vllm.vtoken.messages import ScoreStep
+from vllm.vtoken.scores import ScoreAccumulator
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_folds_and_reads_equal_a_per_request_reference(window):
+    rng = np.random.default_rng(0)
+    mode = "persistence" if window else "sum"
+    acc = ScoreAccumulator(mode, window=window)
+    ref: dict[str, np.ndarray] = {}
+    names = [f"r{i}" for i in range(6)]
+    for _ in range(20):
+        ids = list(rng.choice(names, size=rng.integers(1, 5), replace=False))
+        idx = [
+            np.sort(rng.choice(300, rng.integers(1, 40), replace=False)) for _ in ids
+        ]
+        gain = [rng.random(i.size).astype(np.float32) for i in idx]
+        acc.fold(
+            ScoreStep(
+                req_ids=ids,
+                indptr=np.r_[0, np.cumsum([i.size for i in idx])],
+                key_idx=np.concatenate(idx),
+                gain=np.concatenate(gain),
+            )
+        )
+        for rid, i, g in zip(ids, idx, gain, strict=True):
+            a = ref.setdefault(rid, np.zeros(300, np.float32))
+            if window is None:
+                a[i] += g
+            else:
+                a[i] += (g - a[i]) / np.float32(window)
+        # Every request (some never scored) at every index (some never seen).
+        q_ids = [*names, "never"]
+        seg = rng.integers(0, len(q_ids), 200)
+        q_idx = rng.integers(0, 400, 200)
+        got = acc.scores_rows(q_ids, q_idx, seg)
+        want = [
+            ref[q_ids[s]][i] if q_ids[s] in ref and i < 300 else 0.0
+            for s, i in zip(seg, q_idx, strict=True)
+        ]
+        np.testing.assert_array_equal(got, np.asarray(want, np.float32))

@@ -1,0 +1,45 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compiled loops of the running scores' per-step fold and read (numba).
+
+Scheduler side (scores.ScoreAccumulator): once a step the worker's gains are
+folded into acc[request][logical token], and the policies read the scores of
+the batch's live tokens, each in one pass instead of a dozen NumPy passes over
+the step's keys. Imported only with vToken on; compiled at import, as
+table_kernels.py is.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_i64, _f32 = numba.int64[::1], numba.float32[::1]
+_jit = {"cache": True, "nogil": True}
+
+
+@numba.njit(numba.void(_i64, _i64, _i64, _f32, _i64, _f32, numba.int64), **_jit)
+def fold(rows, indptr, idx, gain, start, acc, window):
+    """Request i (row rows[i]) gains gain[j] on token idx[j], j in
+    [indptr[i], indptr[i + 1]): added, or with `window` > 0 averaged in
+    (acc += (gain - acc) / window). Regions already reserved."""
+    w = np.float32(window)
+    for i in range(rows.size):
+        base = start[rows[i]]
+        for j in range(indptr[i], indptr[i + 1]):
+            p = base + idx[j]
+            if window > 0:
+                acc[p] += (gain[j] - acc[p]) / w
+            else:
+                acc[p] += gain[j]
+
+
+@numba.njit(_f32(_i64, _i64, _i64, _i64, _i64, _f32), **_jit)
+def gather(rows, seg, idx, start, cap, acc):
+    """float32: the score of token idx[j] of row rows[seg[j]]; 0 for a row
+    of -1 (never scored) or a token past its row's region (never scored)."""
+    out = np.zeros(idx.size, np.float32)
+    for j in range(idx.size):
+        r = rows[seg[j]]
+        if r >= 0 and idx[j] < cap[r]:
+            out[j] = acc[start[r] + idx[j]]
+    return out
