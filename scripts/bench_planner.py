@@ -3,6 +3,8 @@
 """Times the reclamation planner per scheduler step (plan_blocks + pack_requests).
 
     python scripts/bench_planner.py     # writes docs/bench/planner.json
+    python scripts/bench_planner.py --baseline /tmp/old   # and an older checkout's,
+                                        # taking turns, its plans checked equal
 
 Synthetic state: live blocks spread evenly over requests, each holding a random
 number of live tokens at random offsets. A step plans every request at once
@@ -10,12 +12,13 @@ number of live tokens at random offsets. A step plans every request at once
 packs every planned request's sources into its own holes, one call each.
 """
 
-import importlib.util
+import argparse
 import json
 import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -29,10 +32,34 @@ BLOCKS, REQS = (1_000, 10_000, 100_000), (16, 256, 1024)  # every pair is a row
 REPEATS = 9
 
 
+def git_commit(repo: pathlib.Path) -> str:
+    out = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return out.stdout.strip() or str(repo)
+
+
 def load(name: str):
-    """Imports vllm/vtoken/<name>.py from the overlay without importing vLLM."""
-    path = REPO / f"vllm_overlay/vllm/vtoken/{name}.py"
-    spec = importlib.util.spec_from_file_location(f"vtoken_{name}", path)
+    """vllm/vtoken/<name>.py from this checkout's overlay (imported ahead of
+    the installed copy, as the unit tests do; numba kernels included)."""
+    import importlib
+
+    import vllm.vtoken
+
+    here = str(REPO / "vllm_overlay/vllm/vtoken")
+    if here not in vllm.vtoken.__path__:
+        vllm.vtoken.__path__.insert(0, here)
+    return importlib.import_module(f"vllm.vtoken.{name}")
+
+
+def load_from(repo: pathlib.Path, name: str):
+    """vllm/vtoken/<name>.py of another checkout, under its own module name
+    (it imports this checkout's helpers: integrity, arena)."""
+    import importlib.util
+
+    path = repo / f"vllm_overlay/vllm/vtoken/{name}.py"
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through it
     spec.loader.exec_module(module)
@@ -63,35 +90,63 @@ def make_state(num_blocks: int, num_reqs: int, seed: int = 0) -> tuple[dict, dic
     return blocks, tokens
 
 
-def one_step(modules, blocks: dict, tokens: dict) -> tuple[float, float, int, int]:
-    """Returns (plan seconds, pack seconds, planned requests, moved tokens)."""
+def one_step(modules, blocks: dict, tokens: dict):
+    """Returns (plan seconds, pack seconds, the plan, the moves)."""
     planner, packing = modules
     t0 = time.perf_counter()
     plan = planner.plan_blocks(**blocks, block_size=B, threshold=THRESHOLD)
     t1 = time.perf_counter()
     moves = packing.pack_requests(plan, **tokens, block_size=B)
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, len(plan.req_index), moves.idx.size
+    return t1 - t0, t2 - t1, plan, moves
 
 
-def measure(modules, num_blocks: int, num_reqs: int) -> dict:
-    """The median step of REPEATS, after a warm-up, in µs."""
+def same(a, b) -> bool:
+    """Two plans (or two Moves) with equal arrays."""
+    return all(
+        np.array_equal(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__
+    )
+
+
+def measure(modules, num_blocks: int, num_reqs: int, base=None) -> dict:
+    """The median step of REPEATS, after a warm-up, in µs; with `base` (an
+    older checkout's modules) its median too, runs taking turns, and its
+    plans and moves asserted equal to these."""
     state = make_state(num_blocks, num_reqs)
-    one_step(modules, *state)
-    runs = [one_step(modules, *state) for _ in range(REPEATS)]
+    first = one_step(modules, *state)
+    if base is not None:
+        old = one_step(base, *state)
+        assert same(first[2], old[2]) and same(first[3], old[3]), "plans differ"
+    runs, base_runs = [], []
+    for _ in range(REPEATS):
+        runs.append(one_step(modules, *state))
+        if base is not None:
+            base_runs.append(one_step(base, *state))
     row = {"blocks": num_blocks, "requests": num_reqs}
-    row |= {"planned_requests": runs[0][2], "moved_tokens": runs[0][3]}
+    row |= {"planned_requests": len(first[2].req_index)}
+    row |= {"moved_tokens": first[3].idx.size}
     for key, f in (("plan", 0), ("pack", 1)):
         row[f"{key}_us"] = round(1e6 * statistics.median(r[f] for r in runs), 1)
     row["step_us"] = round(1e6 * statistics.median(r[0] + r[1] for r in runs), 1)
     row["us_per_1k_blocks"] = round(row["step_us"] / (num_blocks / 1000), 1)
+    if base_runs:
+        step = statistics.median(r[0] + r[1] for r in base_runs)
+        row["baseline_step_us"] = round(1e6 * step, 1)
     return row
 
 
 if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", type=pathlib.Path, help="an older checkout")
+    args = p.parse_args()
     modules = load("planner"), load("packing")
-    rows = [measure(modules, b, r) for b in BLOCKS for r in REQS]
+    base = None
+    if args.baseline:
+        base = load_from(args.baseline, "planner"), load_from(args.baseline, "packing")
+    rows = [measure(modules, b, r, base) for b in BLOCKS for r in REQS]
     meta = {"block_size": B, "threshold": THRESHOLD, "repeats": REPEATS}
+    if args.baseline:
+        meta["baseline"] = git_commit(args.baseline)
     meta |= {"python": platform.python_version(), "numpy": np.__version__}
     meta |= {"machine": platform.machine(), "cpus": os.cpu_count()}
     out = REPO / "docs/bench/planner.json"

@@ -191,24 +191,38 @@ def sla_section(d: dict, img: str) -> list[str]:
 
 
 def planner_section(d: dict, img: str = "") -> list[str]:
+    base = d["meta"].get("baseline")
     out = [
         "## Planner cost",
         "",
-        "`python scripts/bench_planner.py` — `plan_blocks` + `pack_requests` per "
+        "`python scripts/bench_planner.py"
+        + (" --baseline <checkout of " + base + ">" if base else "")
+        + "` — `plan_blocks` + `pack_requests` per "
         f"step, worst case (every request planned), median of {d['meta']['repeats']}, "
-        f"threshold {d['meta']['threshold']}; before: `pack_request` per request.",
+        f"threshold {d['meta']['threshold']}; before: `pack_request` per request"
+        + (
+            f"; NumPy: the vectorized NumPy planner of {base}, runs taking turns, "
+            "its plans and moves equal to these."
+            if base
+            else "."
+        ),
         "",
         "| blocks | requests | moved tokens | plan µs | pack µs | step µs "
-        "| µs per 1,000 blocks | before: step µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| µs per 1,000 blocks | before: step µs |"
+        + (" NumPy: step µs | now / NumPy |" if base else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if base else ""),
     ]
     for row in d["rows"]:
         old = d.get("before", {}).get(f"{row['blocks']}x{row['requests']}")
-        out.append(
+        line = (
             f"| {row['blocks']:,} | {row['requests']:,} | {row['moved_tokens']:,} "
             f"| {row['plan_us']:.0f} | {row['pack_us']:.0f} | {row['step_us']:.0f} "
             f"| {row['us_per_1k_blocks']:.0f} | {'' if old is None else f'{old:.0f}'} |"
         )
+        if base:
+            b = row["baseline_step_us"]
+            line += f" {b:.0f} | {row['step_us'] / b:.2f} |"
+        out.append(line)
     return out + [""]
 
 

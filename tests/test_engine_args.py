@@ -324,3 +324,20 @@ def test_a_pooling_model_is_refused():
     with pytest.raises(Exception) as err:
         make_config(kv_eviction_policy="h2o", kv_budget_tokens=64, runner="pooling")
     assert "does not support pooling models" in str(err.value)
+
+
+def test_with_vtoken_off_the_patched_modules_do_not_load_numba():
+    """The compiled loops (numba) are imported by the objects built with
+    vToken on; importing the patched vLLM (what every engine does) must not."""
+    code = (
+        "import sys\n"
+        "import vllm.v1.core.sched.scheduler, vllm.v1.worker.cpu_model_runner\n"
+        "import vllm.v1.attention.backends.cpu_attn, vllm.v1.worker.gpu_model_runner\n"
+        "print(sorted(m for m in sys.modules if m == 'numba' or m.endswith('_kernels')"
+        " and m.startswith('vllm.vtoken')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -11,11 +11,10 @@ Example, block_size 4, destinations [5, 2] (x = dead)::
     dest   5: [ p  x  x  q ]   dest   2: [ x  r  x  s ]
     after  5: [ p  a  b  q ]          2: [ c  r  x  s ]   7, 3 freed once acked
 
-All requests at once, on one flag per slot of the pool: the destinations'
-rows are set and every live token's slot cleared, so what stays set is a hole;
-then the sources' rows are set and every token reads its flag (set: it moves).
-Two passes over the tokens plus the sources' and destinations' rows, however
-many requests.
+All requests at once, in one compiled loop (planner_kernels.pack): a pass
+over every token marks the destinations' held slots and counts each planned
+request's tokens in its sources; a pass over the planned requests' tokens
+gives each moved one the next free slot of its destinations.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from vllm.vtoken import integrity
 
 if TYPE_CHECKING:
     from vllm.vtoken.planner import BlockPlan
@@ -73,7 +70,6 @@ def pack_requests(
     Returns:
         The moves.
     """
-    B = block_size
     indptr = np.asarray(live_indptr, dtype=np.int64)
     idx = np.asarray(live_idx, dtype=np.int64)
     slots = np.asarray(live_slots, dtype=np.int64)
@@ -83,51 +79,24 @@ def pack_requests(
     if plan.src_block_ids.size == 0:  # nothing to move: no pass over the tokens
         none, zeros = np.zeros(0, np.int64), np.zeros(len(dst_indptr), np.int64)
         return Moves(indptr=zeros, idx=none, src_slots=none, dst_slots=none)
-    src = plan.src_block_ids.astype(np.int64)  # intp: int32 indices cost a cast
-    # One flag per slot of the pool (np.zeros: pages the OS zeroes when first
-    # touched), written at the rows (one B-byte item each) of sources and
-    # destinations and at the tokens' slots only: the cost follows the plan
-    # and the tokens, not the pool. Bool: NumPy finds the nonzero entries of
-    # a bool array several times faster than of uint8.
-    flag = np.zeros(num_blocks * B, dtype=bool)
-    rows = flag.view(np.dtype((np.void, B)))
-    rows[dst] = _row(B)
-    if integrity.CHECK:
-        assert not flag[src * B].any(), "a destination is a source"
-    flag[slots] = False  # every live token's slot: what stays set is a hole
-    free = np.flatnonzero(rows[dst].view(bool))  # in destination order
-    rows[src] = _row(B)
-    moved = np.flatnonzero(np.take(flag, slots))  # logical order, by request
-    # A request's sources hold its tokens only, and its free slots lie in its
-    # destinations' rows: the two CSR boundaries split both lists.
-    num_moves = np.diff(np.searchsorted(moved, indptr))[plan.req_index]
-    assert num_moves.sum() == moved.size, "tokens in sources of no plan"
-    at = np.searchsorted(free, dst_indptr * B)
-    num_free = np.diff(at)
-    assert (num_moves <= num_free).all(), (
-        f"live tokens do not fit in the free slots: {num_moves} > {num_free}"
-    )
-    # Request k's tokens take its first num_moves[k] free slots: drop the rest
-    # (what its last destination holds beyond the need, a few per request).
-    spare = num_free - num_moves
-    rest = np.repeat(at[1:] - spare - (np.cumsum(spare) - spare), spare)
-    row, offset = np.divmod(np.delete(free, rest + np.arange(spare.sum())), B)
-    if integrity.CHECK:
-        owner = np.full(num_blocks, -1, dtype=np.int64)
-        owner[src] = np.repeat(plan.req_index, np.diff(plan.src_indptr))
-        req = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
-        assert (owner[slots[moved] // B] == req[moved]).all(), "a foreign token"
-    return Moves(
-        indptr=np.r_[0, np.cumsum(num_moves)],
-        idx=idx[moved],
-        src_slots=slots[moved],
-        dst_slots=dst[row] * B + offset,
-    )
+    from vllm.vtoken import planner_kernels as k  # numba: vToken on only
 
-
-def _row(block_size: int) -> np.void:
-    """A block's row of set flags, as one item."""
-    return np.ones(block_size, dtype=bool).view(np.dtype((np.void, block_size)))[0]
+    status, indptr, idx, src_slots, dst_slots = k.pack(
+        indptr, idx, slots, plan.req_index.astype(np.int64, copy=False),
+        plan.src_indptr.astype(np.int64, copy=False),
+        plan.src_block_ids.astype(np.int64), dst, dst_indptr.astype(np.int64),
+        block_size, num_blocks,
+    )  # fmt: skip
+    if status < 0:
+        what = {
+            k.NO_ROOM: f"planned request {indptr[0]}'s live tokens do not fit in "
+            "the free slots of its destinations",
+            k.DST_IS_SRC: f"a destination is a source (block {indptr[0]})",
+            k.NO_PLAN: f"token {indptr[0]} is in a source of no plan's request",
+            k.FOREIGN: f"token {indptr[0]} is a foreign token in a source",
+        }
+        raise AssertionError(what[status])
+    return Moves(indptr=indptr, idx=idx, src_slots=src_slots, dst_slots=dst_slots)
 
 
 def _destinations(

@@ -2,8 +2,10 @@
 """Reclamation planner: which blocks to empty, and where their live tokens go.
 
 Scheduler side; pure functions, no state, no Python loop over requests, blocks
-or tokens (the paper names planner CPU time as vToken's dominant cost), each
-call one vectorized pass over every request planned in the step:
+or tokens (the paper names planner CPU time as vToken's dominant cost): each
+call is one pass over every request planned in the step, compiled
+(planner_kernels.py) for the in-place plan and the packing, vectorized NumPy
+for the rarer plan around the prefix cache:
 
 1. `plan_blocks`: per request, the sparsest blocks whose live tokens fit into
    the holes of the request's other blocks (in place).
@@ -170,35 +172,28 @@ def plan_blocks(
         assert live.size == 0 or (0 <= live.min() and live.max() <= block_size)
         assert np.unique(ids).size == ids.size, "block_ids repeat a block"
 
-    num_req = indptr.size - 1
-    req = np.repeat(np.arange(num_req, dtype=np.int64), np.diff(indptr))
-    k = (block_size * np.diff(indptr) - _segment_sum(live, indptr)) // block_size
-    # Candidates by request (req[cand] is sorted), sparsest first; the
-    # threshold as a live count (l / B < threshold exactly when l < lim).
+    # The threshold as a live count: l / B < threshold exactly when l < lim.
     lim = sum(n / block_size < threshold for n in range(block_size + 1))
-    cand = np.flatnonzero(live < lim)
-    c_req = req[cand]
-    order = cand[_lexsort(live[cand], c_req, widths=(block_size + 1, num_req))]
-    at = np.searchsorted(c_req, np.arange(num_req + 1))
-    n_src = np.minimum(k, np.diff(at))
-    if not n_src.any():
-        return _empty_plan()
-    src = order[ranges(at[:-1], n_src)]  # still sparsest first
-    # Destinations: the planned requests' other blocks with a hole.
-    hole = live < block_size
-    hole[src] = False
-    if not n_src.all():
-        hole &= (n_src > 0)[req]
-    dst = np.flatnonzero(hole)
     if dst_priority is None:
-        widths = (block_size + 1, num_req)
-        dst = dst[_lexsort(block_size - live[dst], req[dst], widths=widths)]
+        prio = np.zeros(ids.size, np.int64)
     else:
-        prio = np.asarray(dst_priority)
+        prio = np.asarray(dst_priority, np.int64)
         assert prio.shape == live.shape, (prio.shape, live.shape)
-        dst = dst[_lexsort(block_size - live[dst], prio[dst], req[dst])]
-    fresh = np.zeros(num_req, dtype=np.int64)
-    return _plan(ids, live, req, src, dst, fresh, block_size)
+    from vllm.vtoken.planner_kernels import plan_in_place  # numba: vToken on only
+
+    req_index, src_indptr, src, dst_indptr, dst = plan_in_place(
+        indptr, ids.astype(np.int32, copy=False), live, prio, block_size, lim
+    )
+    if req_index.size == 0:
+        return _empty_plan()
+    return BlockPlan(
+        req_index=req_index,
+        src_indptr=src_indptr,
+        src_block_ids=src,
+        dst_indptr=dst_indptr,
+        dst_block_ids=dst,
+        num_fresh=np.zeros(req_index.size, np.int64),
+    )
 
 
 def _plan(ids, live, req, src, dst, fresh, block_size) -> BlockPlan:

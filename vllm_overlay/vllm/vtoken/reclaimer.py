@@ -64,6 +64,8 @@ class BlockReclaimer:
         threshold: float,
         counters: VTokenCounters,
     ) -> None:
+        import vllm.vtoken.planner_kernels  # noqa: F401 (numba: load it now)
+
         self.pool = pool
         self.block_size = pool.block_size
         self.block_pool = kv_cache_manager.block_pool
