@@ -81,11 +81,13 @@ def pack_requests(
         return Moves(indptr=zeros, idx=none, src_slots=none, dst_slots=none)
     from vllm.vtoken import planner_kernels as k  # numba: vToken on only
 
+    assert block_size & (block_size - 1) == 0, f"block size {block_size}: not 2^k"
+
     status, indptr, idx, src_slots, dst_slots = k.pack(
         indptr, idx, slots, plan.req_index.astype(np.int64, copy=False),
         plan.src_indptr.astype(np.int64, copy=False),
         plan.src_block_ids.astype(np.int64), dst, dst_indptr.astype(np.int64),
-        block_size, num_blocks,
+        block_size, block_size.bit_length() - 1, num_blocks,
     )  # fmt: skip
     if status < 0:
         what = {

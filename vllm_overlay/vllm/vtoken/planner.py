@@ -174,16 +174,16 @@ def plan_blocks(
 
     # The threshold as a live count: l / B < threshold exactly when l < lim.
     lim = sum(n / block_size < threshold for n in range(block_size + 1))
-    if dst_priority is None:
-        prio = np.zeros(ids.size, np.int64)
-    else:
+    prio = np.zeros(ids.size, np.int64)
+    if dst_priority is not None:
         prio = np.asarray(dst_priority, np.int64)
         assert prio.shape == live.shape, (prio.shape, live.shape)
     from vllm.vtoken.planner_kernels import plan_in_place  # numba: vToken on only
 
     req_index, src_indptr, src, dst_indptr, dst = plan_in_place(
-        indptr, ids.astype(np.int32, copy=False), live, prio, block_size, lim
-    )
+        indptr, ids.astype(np.int32, copy=False), live, prio,
+        bool(prio.any()), block_size, lim,
+    )  # fmt: skip
     if req_index.size == 0:
         return _empty_plan()
     return BlockPlan(

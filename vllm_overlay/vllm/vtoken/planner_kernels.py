@@ -22,24 +22,44 @@ _jit = {"cache": True, "nogil": True}
 NO_ROOM, DST_IS_SRC, NO_PLAN, FOREIGN = -1, -2, -3, -4
 
 
+@numba.njit(nogil=True, inline="always")
+def _sort_small(cand, key, c, width, count, out):
+    """out[:c] = cand[:c] by key (each in [0, width)), ties in input order: a
+    counting sort; `count` is scratch of >= width + 1 entries."""
+    count[: width + 1] = 0
+    for t in range(c):
+        count[key[t] + 1] += 1
+    for v in range(width):
+        count[v + 1] += count[v]
+    for t in range(c):
+        out[count[key[t]]] = cand[t]
+        count[key[t]] += 1
+
+
 @numba.njit(
     numba.types.Tuple((_i64, _i64, _i32, _i64, _i32))(
-        _i64, _i32, _i64, _i64, numba.int64, numba.int64
+        _i64, _i32, _i64, _i64, numba.boolean, numba.int64, numba.int64
     ),
     **_jit,
 )
-def plan_in_place(indptr, ids, live, prio, block_size, lim):
+def plan_in_place(indptr, ids, live, prio, has_prio, block_size, lim):
     """plan_blocks' rule per request: sources its `k` sparsest candidates
     (live < lim; ties: input order), k = min(candidates, holes // B);
     destinations its other blocks with a hole by (prio, B - live, input
-    order), as many as the sources' live tokens need. Returns (req_index,
-    src_indptr, src_block_ids, dst_indptr, dst_block_ids)."""
+    order), as many as the sources' live tokens need (prio read only when
+    `has_prio`). Returns (req_index, src_indptr, src_block_ids, dst_indptr,
+    dst_block_ids)."""
     B, num_req, n = block_size, indptr.size - 1, ids.size
     req_index = np.zeros(num_req, np.int64)
     src_ptr, dst_ptr = np.zeros(num_req + 1, np.int64), np.zeros(num_req + 1, np.int64)
     src_ids, dst_ids = np.empty(n, np.int32), np.empty(n, np.int32)
     is_src = np.zeros(n, np.bool_)
-    cand, key = np.empty(n, np.int64), np.empty(n, np.int64)
+    cand, key, order = (
+        np.empty(n, np.int64),
+        np.empty(n, np.int64),
+        np.empty(n, np.int64),
+    )
+    count = np.empty(B + 2, np.int64)
     k_out = s_out = d_out = 0
     for r in range(num_req):
         lo, hi = indptr[r], indptr[r + 1]
@@ -52,10 +72,10 @@ def plan_in_place(indptr, ids, live, prio, block_size, lim):
         num_src = min(c, holes // B)
         if num_src == 0:
             continue
-        order = np.argsort(key[:c], kind="mergesort")  # stable: input order
+        _sort_small(cand, key, c, B + 1, count, order)  # sparsest first
         need = 0
         for t in range(num_src):
-            j = cand[order[t]]
+            j = order[t]
             is_src[j] = True
             src_ids[s_out] = ids[j]
             s_out += 1
@@ -63,12 +83,19 @@ def plan_in_place(indptr, ids, live, prio, block_size, lim):
         c = 0
         for j in range(lo, hi):
             if live[j] < B and not is_src[j]:
-                cand[c], key[c] = j, prio[j] * (B + 1) + (B - live[j])
+                cand[c], key[c] = j, B - live[j]
+                if has_prio:
+                    key[c] += prio[j] * (B + 1)
                 c += 1
-        order = np.argsort(key[:c], kind="mergesort")
+        if has_prio:
+            perm = np.argsort(key[:c], kind="mergesort")  # stable
+            for t in range(c):
+                order[t] = cand[perm[t]]
+        else:
+            _sort_small(cand, key, c, B + 1, count, order)  # densest first
         t = 0
         while need > 0 and t < c:  # as many as the moved tokens need
-            j = cand[order[t]]
+            j = order[t]
             dst_ids[d_out] = ids[j]
             d_out += 1
             need -= B - live[j]
@@ -87,76 +114,97 @@ def plan_in_place(indptr, ids, live, prio, block_size, lim):
 
 @numba.njit(
     numba.types.Tuple((numba.int64, _i64, _i64, _i64, _i64))(
-        _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, numba.int64, numba.int64
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        numba.int64,
+        numba.int64,
+        numba.int64,
     ),
     **_jit,
 )
 def pack(
     indptr, idx, slots, req_index, src_ptr, src, dst, dst_ptr, block_size,
-    num_blocks,
+    shift, num_blocks,
 ):  # fmt: skip
     """pack_requests' moves: planned request k's tokens in its sources (its
     plan's src[src_ptr[k]:src_ptr[k + 1]]) go, in logical order, to the free
     slots (no live token of `slots` holds them) of its destinations
     dst[dst_ptr[k]:dst_ptr[k + 1]], first destination first, offsets
-    ascending. Returns (status, indptr, idx, src_slots, dst_slots): status
-    >= 0, or an error code (NO_ROOM ... FOREIGN) with the planned request or
-    the token it concerns in indptr[0]."""
+    ascending. A request's sources and destinations hold its own tokens only
+    (the planner plans a request's unshared blocks), which is checked.
+
+    One pass over the planned requests' tokens marks the held slots and
+    lists the tokens in sources; then, request by request, its destinations'
+    free slots are listed and zipped with its moving tokens.
+    `shift`: log2(block_size) (a division per token costs more than the
+    rest). Returns (status, indptr, idx, src_slots, dst_slots): status >= 0,
+    or an error code (NO_ROOM ... FOREIGN) with the planned request or the
+    token it concerns in indptr[0]."""
     B, num_req, K = block_size, indptr.size - 1, req_index.size
     none = np.zeros(1, np.int64)
-    owner = np.full(num_blocks, -1, np.int64)  # source block -> planned k
+    owner = np.full(num_blocks, -1, np.int32)  # planned block -> its request k
+    is_src = np.zeros(num_blocks, np.bool_)
     for k in range(K):
         for b in src[src_ptr[k] : src_ptr[k + 1]]:
+            owner[b], is_src[b] = k, True
+    for k in range(K):
+        for b in dst[dst_ptr[k] : dst_ptr[k + 1]]:
+            if is_src[b]:
+                none[0] = b
+                return DST_IS_SRC, none, none, none, none
             owner[b] = k
-    is_dst = np.zeros(num_blocks, np.bool_)
-    for b in dst:
-        if owner[b] >= 0:
-            none[0] = b
-            return DST_IS_SRC, none, none, none, none
-        is_dst[b] = True
-    # One pass over every token: the destinations' held slots, and each
-    # planned request's tokens in its sources.
     planned = np.full(num_req, -1, np.int64)
+    n_planned = 0
     for k in range(K):
         planned[req_index[k]] = k
-    held = np.zeros(num_blocks * B, np.bool_)
-    num_moves = np.zeros(K + 1, np.int64)
-    for r in range(num_req):
-        for t in range(indptr[r], indptr[r + 1]):
-            b = slots[t] // B
-            if is_dst[b]:
-                held[slots[t]] = True
-            elif owner[b] >= 0:
-                if owner[b] != planned[r]:
+        n_planned += indptr[req_index[k] + 1] - indptr[req_index[k]]
+    for r in range(num_req):  # no other request's token in a planned block
+        if planned[r] < 0:
+            for t in range(indptr[r], indptr[r + 1]):
+                if owner[slots[t] >> shift] >= 0:
                     none[0] = t
-                    return (
-                        (NO_PLAN if planned[r] < 0 else FOREIGN),
-                        none,
-                        none,
-                        none,
-                        none,
-                    )
-                num_moves[owner[b] + 1] += 1
-    out_ptr = np.cumsum(num_moves)
-    total = out_ptr[K]
-    out_idx, out_src = np.empty(total, np.int64), np.empty(total, np.int64)
-    out_dst = np.empty(total, np.int64)
+                    return NO_PLAN, none, none, none, none
+    # Scratch: the held slots (read at destinations only), the positions in
+    # `slots` of the tokens that move, one request's free slots at a time.
+    held = np.zeros(num_blocks * B, np.bool_)
+    moved = np.empty(n_planned + 1, np.int32)
+    widest = 0
     for k in range(K):
-        r, m = req_index[k], out_ptr[k]
-        d, end, off = dst_ptr[k], dst_ptr[k + 1], 0
+        widest = max(widest, dst_ptr[k + 1] - dst_ptr[k])
+    free = np.empty(B * widest + 1, np.int64)
+    out_ptr = np.zeros(K + 1, np.int64)
+    m = 0
+    for k in range(K):  # held slots and moving tokens, request by request
+        r = req_index[k]
         for t in range(indptr[r], indptr[r + 1]):
-            if owner[slots[t] // B] != k:
-                continue
-            while d < end and held[dst[d] * B + off]:  # the next free slot
-                off += 1
-                if off == B:
-                    d, off = d + 1, 0
-            if d == end:
-                none[0] = k
-                return NO_ROOM, none, none, none, none
-            out_idx[m], out_src[m], out_dst[m] = idx[t], slots[t], dst[d] * B + off
-            m += 1
-            off += 1
-            if off == B:
-                d, off = d + 1, 0
+            b = slots[t] >> shift
+            if owner[b] >= 0 and owner[b] != k:
+                none[0] = t
+                return FOREIGN, none, none, none, none
+            held[slots[t]] = True
+            moved[m] = t  # kept when in a source (branch-free)
+            m += is_src[b]
+        out_ptr[k + 1] = m
+    out_idx, out_src = np.empty(m, np.int64), np.empty(m, np.int64)
+    out_dst = np.empty(m, np.int64)
+    for k in range(K):  # moves in logical order, into the first free slots
+        n_free = 0
+        for d in range(dst_ptr[k], dst_ptr[k + 1]):
+            for off in range(B):
+                slot = dst[d] * B + off
+                free[n_free] = slot
+                n_free += not held[slot]
+        lo, hi = out_ptr[k], out_ptr[k + 1]
+        if hi - lo > n_free:
+            none[0] = k
+            return NO_ROOM, none, none, none, none
+        for j in range(lo, hi):
+            out_idx[j], out_src[j] = idx[moved[j]], slots[moved[j]]
+            out_dst[j] = free[j - lo]
     return 0, out_ptr, out_idx, out_src, out_dst

@@ -23,12 +23,13 @@ _i64_2d, _b1_2d = numba.int64[:, ::1], numba.boolean[:, ::1]
     cache=True,
     nogil=True,
 )
-def decode_index(kv_loc, decode, kv_slots, width, block_size, num_kv_heads):
+def decode_index(kv_loc, decode, kv_slots, width, shift, num_kv_heads):
     """(blk, off, v_rows, valid) of the decode requests, padded to `width`
     keys: request i's keys are kv_slots[kv_loc[d]:kv_loc[d + 1]], d =
     decode[i]; padding repeats kv_slots[0] and is False in `valid`. v_rows
-    [R * H * W]: the same keys as rows of the value cache viewed [N * H * B, D]."""
-    R, H = decode.size, num_kv_heads
+    [R * H * W]: the same keys as rows of the value cache viewed [N * H * B, D].
+    Blocks of 1 << shift slots (a shift, not a division per key)."""
+    R, H, block_size = decode.size, num_kv_heads, 1 << shift
     blk, off = np.empty((R, width), np.int64), np.empty((R, width), np.int64)
     valid = np.empty((R, width), np.bool_)
     v_rows = np.empty(R * H * width, np.int64)
@@ -37,8 +38,8 @@ def decode_index(kv_loc, decode, kv_slots, width, block_size, num_kv_heads):
         for w in range(width):
             ok = lo + w < hi
             s = kv_slots[lo + w] if ok else kv_slots[0]
-            b = s // block_size
-            o = s - b * block_size
+            b = s >> shift
+            o = s & (block_size - 1)
             blk[i, w], off[i, w], valid[i, w] = b, o, ok
             for h in range(H):
                 v_rows[(i * H + h) * width + w] = (b * H + h) * block_size + o
