@@ -26,5 +26,6 @@ bench history --model "$tiny" --prompts random --requests 256 --prompt-len 64 \
   --gen-len 448 --budget 32 --policies h2o streamingllm --repeats 2 $before
 bench parallel --model "$tiny" --prompts random --requests 16 --prompt-len 96 \
   --gen-len 64 --budget 48 --policies h2o streamingllm random --repeats 3
-"$VTOKEN_PY" scripts/bench_planner.py
+# With VTOKEN_BASELINE_REPO (an older checkout), the planner's too.
+"$VTOKEN_PY" scripts/bench_planner.py ${VTOKEN_BASELINE_REPO:+--baseline "$VTOKEN_BASELINE_REPO"}
 "$VTOKEN_PY" scripts/bench_report.py

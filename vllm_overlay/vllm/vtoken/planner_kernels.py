@@ -113,19 +113,7 @@ def plan_in_place(indptr, ids, live, prio, has_prio, block_size, lim):
 
 
 @numba.njit(
-    numba.types.Tuple((numba.int64, _i64, _i64, _i64, _i64))(
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        numba.int64,
-        numba.int64,
-        numba.int64,
-    ),
+    numba.types.Tuple((numba.int64, *[_i64] * 4))(*[_i64] * 8, *[numba.int64] * 3),
     **_jit,
 )
 def pack(

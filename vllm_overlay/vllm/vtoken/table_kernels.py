@@ -47,24 +47,7 @@ def live_tokens(rows, start, n_listed, n_slotted, listed, live, slot):
     return seg[:m], idx[:m], out[:m]
 
 
-@numba.njit(
-    numba.int64(
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i32,
-        _b1,
-        _i32,
-        _i32,
-        numba.int64,
-    ),
-    **_jit,
-)
+@numba.njit(numba.int64(*[_i64] * 8, _i32, _b1, _i32, _i32, numba.int64), **_jit)
 def append_rows(
     rows, counts, slots, start, n_tokens, n_slotted, n_live, n_listed,
     slot, live, listed, block_live, block_size,
