@@ -19,8 +19,10 @@ A slot is *owned* by the live token mapped to it. Dead tokens keep their last sl
 reused, a stale slot may coincide with a live token's.
 
 Storage is flat (arena.py), so a step's work over the batch is a fixed number
-of NumPy calls (`rows`, `append_rows`, `tokens`, `evict_rows`, `apply_moves`);
-the per-request methods are those on one row.
+of calls (`rows`, `append_rows`, `live_tokens`, `evict_rows`, `apply_moves`);
+the passes over tokens are compiled loops (table_kernels.py), which trust
+what they are given: the checks are here. The per-request methods are those
+on one row.
 """
 
 from __future__ import annotations
