@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Vectorized choices over a `BatchView`, for policies' `evict_batch`.
+"""Batch choices over a `BatchView`, for policies' `evict_batch`.
 
-Each works on every request of the batch in a fixed number of NumPy calls:
-per-request windows by rank within the request's run, per-request ordering by
-one lexsort with the request as the primary key.
+Each works on every request of the batch at once: per-request windows by rank
+within the request's run in a few NumPy calls, the per-request k lowest in
+one compiled loop (selection_kernels.py).
 """
 
 from __future__ import annotations
