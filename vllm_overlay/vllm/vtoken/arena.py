@@ -43,6 +43,16 @@ def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return offset + np.arange(int(counts.sum()), dtype=np.int64)
 
 
+def block_shift(block_size: int) -> int:
+    """log2(block_size): the compiled loops find a slot's block by a shift
+    (a division per token costs more than the rest of their pass). vLLM's
+    block sizes are powers of two."""
+    assert block_size > 0 and block_size & (block_size - 1) == 0, (
+        f"block size {block_size} is not a power of two"
+    )
+    return block_size.bit_length() - 1
+
+
 def segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(seg, k) of the flat concatenation of segments of `counts` entries:
     each entry's segment and its offset within it, both int64."""

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm.vtoken.arena import ranges
+from vllm.vtoken.arena import block_shift, ranges
 from vllm.vtoken.score_kernel import tiled_attention
 
 if TYPE_CHECKING:
@@ -128,9 +128,8 @@ def build_cpu_read_plan(
     decode = np.flatnonzero(read & (num_q == 1))
     others = np.flatnonzero(read & (num_q > 1))
     width = int(num_k[decode].max()) if decode.size else 0
-    assert block_size & (block_size - 1) == 0, f"block size {block_size}: not 2^k"
     blk, off, v_rows, valid = decode_index(
-        kv_loc, decode, slots, width, block_size.bit_length() - 1, num_kv_heads
+        kv_loc, decode, slots, width, block_shift(block_size), num_kv_heads
     )
     # Every key read, decode requests' first (row-major over `valid`).
     read_order = np.concatenate([decode, others])

@@ -11,10 +11,10 @@ Example, block_size 4, destinations [5, 2] (x = dead)::
     dest   5: [ p  x  x  q ]   dest   2: [ x  r  x  s ]
     after  5: [ p  a  b  q ]          2: [ c  r  x  s ]   7, 3 freed once acked
 
-All requests at once, in one compiled loop (planner_kernels.pack): a pass
-over every token marks the destinations' held slots and counts each planned
-request's tokens in its sources; a pass over the planned requests' tokens
-gives each moved one the next free slot of its destinations.
+All requests at once, in one compiled loop (planner_kernels.pack): one pass
+over the planned requests' tokens marks the held slots and lists the tokens
+in sources; then each request's free destination slots, in order, are zipped
+with its moving tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from vllm.vtoken.arena import block_shift
 
 if TYPE_CHECKING:
     from vllm.vtoken.planner import BlockPlan
@@ -81,13 +83,11 @@ def pack_requests(
         return Moves(indptr=zeros, idx=none, src_slots=none, dst_slots=none)
     from vllm.vtoken import planner_kernels as k  # numba: vToken on only
 
-    assert block_size & (block_size - 1) == 0, f"block size {block_size}: not 2^k"
-
     status, indptr, idx, src_slots, dst_slots = k.pack(
         indptr, idx, slots, plan.req_index.astype(np.int64, copy=False),
         plan.src_indptr.astype(np.int64, copy=False),
         plan.src_block_ids.astype(np.int64), dst, dst_indptr.astype(np.int64),
-        block_size, block_size.bit_length() - 1, num_blocks,
+        block_shift(block_size), num_blocks,
     )  # fmt: skip
     if status < 0:
         what = {

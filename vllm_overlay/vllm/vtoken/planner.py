@@ -70,22 +70,18 @@ class BlockPlan:
 _RADIX = 1 << 16  # NumPy's stable sort of <= 16-bit integers is a radix sort
 
 
-def _lexsort(*keys: np.ndarray, widths: tuple[int, ...] | None = None) -> np.ndarray:
+def _lexsort(*keys: np.ndarray) -> np.ndarray:
     """np.lexsort(keys): stable, the last key primary. The planner's keys are
     small (live counts, request indices, ranks), so they are packed into
     16-bit digits and radix-sorted, a pass each: lexsort's merge sorts were
-    most of the planner's time at 100k blocks. `widths`: each key is known
-    to lie in [0, width), which saves finding its range."""
+    most of the planner's time at 100k blocks."""
     n = len(keys[0])
     digits, digit, span = [], None, 1
-    for j, key in enumerate(keys):  # least significant first
+    for key in keys:  # least significant first
         key = np.asarray(key, dtype=np.int64)
-        if widths is not None:
-            width = widths[j]
-        else:
-            lo = int(key.min()) if n else 0
-            width = int(key.max()) - lo + 1 if n else 1
-            key = key - lo
+        lo = int(key.min()) if n else 0
+        width = int(key.max()) - lo + 1 if n else 1
+        key = key - lo
         if width > _RADIX:
             return np.lexsort(keys)
         if span * width > _RADIX:

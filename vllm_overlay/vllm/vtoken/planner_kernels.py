@@ -113,12 +113,11 @@ def plan_in_place(indptr, ids, live, prio, has_prio, block_size, lim):
 
 
 @numba.njit(
-    numba.types.Tuple((numba.int64, *[_i64] * 4))(*[_i64] * 8, *[numba.int64] * 3),
+    numba.types.Tuple((numba.int64, *[_i64] * 4))(*[_i64] * 8, *[numba.int64] * 2),
     **_jit,
 )
 def pack(
-    indptr, idx, slots, req_index, src_ptr, src, dst, dst_ptr, block_size,
-    shift, num_blocks,
+    indptr, idx, slots, req_index, src_ptr, src, dst, dst_ptr, shift, num_blocks,
 ):  # fmt: skip
     """pack_requests' moves: planned request k's tokens in its sources (its
     plan's src[src_ptr[k]:src_ptr[k + 1]]) go, in logical order, to the free
@@ -129,12 +128,11 @@ def pack(
 
     One pass over the planned requests' tokens marks the held slots and
     lists the tokens in sources; then, request by request, its destinations'
-    free slots are listed and zipped with its moving tokens.
-    `shift`: log2(block_size) (a division per token costs more than the
-    rest). Returns (status, indptr, idx, src_slots, dst_slots): status >= 0,
-    or an error code (NO_ROOM ... FOREIGN) with the planned request or the
-    token it concerns in indptr[0]."""
-    B, num_req, K = block_size, indptr.size - 1, req_index.size
+    free slots are listed and zipped with its moving tokens. Blocks of
+    1 << shift slots (arena.block_shift). Returns (status, indptr, idx,
+    src_slots, dst_slots): status >= 0, or an error code (NO_ROOM ...
+    FOREIGN) with the planned request or the token it concerns in indptr[0]."""
+    B, num_req, K = 1 << shift, indptr.size - 1, req_index.size
     none = np.zeros(1, np.int64)
     owner = np.full(num_blocks, -1, np.int32)  # planned block -> its request k
     is_src = np.zeros(num_blocks, np.bool_)

@@ -28,7 +28,7 @@ def decode_index(kv_loc, decode, kv_slots, width, shift, num_kv_heads):
     keys: request i's keys are kv_slots[kv_loc[d]:kv_loc[d + 1]], d =
     decode[i]; padding repeats kv_slots[0] and is False in `valid`. v_rows
     [R * H * W]: the same keys as rows of the value cache viewed [N * H * B, D].
-    Blocks of 1 << shift slots (a shift, not a division per key)."""
+    Blocks of 1 << shift slots (arena.block_shift)."""
     R, H, block_size = decode.size, num_kv_heads, 1 << shift
     blk, off = np.empty((R, width), np.int64), np.empty((R, width), np.int64)
     valid = np.empty((R, width), np.bool_)

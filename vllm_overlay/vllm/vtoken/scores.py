@@ -210,9 +210,8 @@ class ScoreAccumulator:
         """float32 [n]: the scores of tokens idx[j] of requests req_ids[seg[j]]
         (seg: all 0 when None), 0 for a token or request never scored."""
         idx = np.asarray(idx, dtype=np.int64)
-        out = np.zeros(idx.size, dtype=np.float32)
         if not req_ids or not self._acc.index:
-            return out
+            return np.zeros(idx.size, dtype=np.float32)
         rows = self._acc.rows_or_missing(req_ids)
         seg = np.zeros(idx.size, np.int64) if seg is None else np.asarray(seg, np.int64)
         a = self._acc
