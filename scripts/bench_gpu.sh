@@ -34,7 +34,8 @@ if [ "$smoke" = 1 ]; then
   "$VTOKEN_REPO/scripts/setup_env.sh" >&2
   py=$VTOKEN_PY models="tiny-llama" out=${out:-$(mktemp -d)}
   device="CPU ($(nproc) cores; smoke test of the GPU script's path)"
-  eng='{"load_format": "dummy", "max_model_len": 512}'
+  # Eager as on the GPU: each server would otherwise trace the model (~20 s).
+  eng='{"load_format": "dummy", "max_model_len": 512, "enforce_eager": true}'
   mem=(--requests 4 --prompt-len 64 --gen-len 48 --budget 48)
   cap=(--pools 48 --prompt-len 64 --gen-len 32)
   sla=(--pool 64 --budget 48 --prompt-len 64 --gen-len 16 --num-prompts 4 --rates 4)
