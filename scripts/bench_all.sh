@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU-sized benchmark suite on the real patched engine (SmolLM2-135M, block
-# size 16), then docs/RESULTS.md from its JSON. About 40 minutes on 2 cores.
+# size 16), then docs/RESULTS.md from its JSON. About 50 minutes on 2 cores.
 # Extra arguments go to every experiment (e.g. --model DIR --engine-json '{...}').
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
@@ -18,8 +18,10 @@ bench sla --pool 96 --budget 128 --gen-len 128 --num-prompts 24 --rates 0.5 1 2 
 tiny=$VTOKEN_CACHE/models/tiny-llama  # scale: dummy weights, a cheap forward
 "$VTOKEN_PY" scripts/prepare.py tiny-llama --out "$tiny" >&2
 # With VTOKEN_BASELINE (an older series applied to a copy of vLLM, DEVELOPING.md),
-# scale and history time it too, side by side.
+# arrivals, scale and history time it too, side by side.
 before=${VTOKEN_BASELINE:+--baseline $VTOKEN_BASELINE}
+bench arrivals --requests 24 --prompt-len 600 --gen-len 128 --budget 128 --pool 96 \
+  --every 20 --policies h2o streamingllm --repeats 2 $before "$@"
 bench scale --model "$tiny" --prompts random --batches 64 256 1024 --prompt-len 64 \
   --gen-len 64 --budget 32 $before
 bench history --model "$tiny" --prompts random --requests 256 --prompt-len 64 \

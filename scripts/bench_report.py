@@ -346,6 +346,27 @@ def history_section(d: dict, img: str) -> list[str]:
     return out + [""]
 
 
+def arrivals_section(d: dict, img: str) -> list[str]:
+    out = table_head(
+        "Step time with requests arriving",
+        f"`{d['command']}` ({d['date']}). {d['requests']} {d['prompts']} prompts of "
+        f"up to {d['prompt_len']} tokens, {d['gen_len']} generated, one arriving "
+        f"every {d['every']} steps, pool {d['pool']} blocks, budget {d['budget']}: "
+        "most steps mix requests under budget with evicting ones. Medians over "
+        f"{d['repeats']} runs per row, the versions taking turns; before: the "
+        "overlay `--baseline` holds.",
+        {"mode": "l", "steps": "r", "median step ms": "r", "total step s": "r"}
+        | {"vs native": "r"},
+    )
+    native = d["rows"]["native"]["total_s"]
+    for key, r in d["rows"].items():
+        out.append(
+            f"| {key} | {r['steps']:.0f} | {r['median_ms']:.1f} | {r['total_s']:.1f} "
+            f"| {r['total_s'] / native:.2f} |"
+        )
+    return out + [""]
+
+
 def parallel_section(d: dict, img: str) -> list[str]:
     out = table_head(
         "Tensor and pipeline parallelism",
@@ -378,6 +399,7 @@ SECTIONS = [
     ("quality", quality_section),
     ("scale", scale_section),
     ("history", history_section),
+    ("arrivals", arrivals_section),
     ("parallel", parallel_section),
 ]
 

@@ -496,6 +496,48 @@ def cmd_history(args) -> dict:
     return {"rows": rows, **pick(args, "requests", "prompt_len", "gen_len", "budget")}
 
 
+def cmd_arrivals(args) -> dict:
+    """Step time with requests arriving: one every --every steps, so most
+    steps mix requests under budget with evicting ones, which the memory
+    experiment (all at once) never does. Native, then each policy per
+    version (--baseline too), --repeats times taking turns; each run's median
+    and total step time."""
+    n = args.requests
+    eng = engine_args(args, num_gpu_blocks_override=args.pool, max_model_len=1024)
+    spec = {**workload(args, n, 32), "arrivals": [args.every * i for i in range(n)]}
+    runs: dict[str, list] = {}
+    for _, policy, (ver, env) in itertools.product(
+        range(args.repeats), ["none", *args.policies], versions(args).items()
+    ):
+        if policy == "none" and ver != "vtoken":
+            continue  # native is the same on every overlay
+        extra = policy_args(policy, args.budget, "vtoken")
+        run = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
+        ms = [s["step_ms"] for s in run["steps"]]
+        key = "native" if policy == "none" else f"{policy}/{ver}"
+        runs.setdefault(key, []).append(
+            {
+                "steps": len(ms),
+                "median_ms": statistics.median(ms),
+                "total_s": sum(ms) / 1e3,
+            }
+        )
+        print(f"arrivals {key:20s} {runs[key][-1]}")
+    rows = {
+        k: {
+            f: statistics.median(r[f] for r in v)
+            for f in ("steps", "median_ms", "total_s")
+        }
+        for k, v in runs.items()
+    }
+    return {
+        "rows": rows,
+        "runs": runs,
+        **pick(args, "requests", "every", "pool", "prompt_len", "gen_len", "budget"),
+        **pick(args, "prompts", "repeats"),
+    }
+
+
 def _quarters(xs: list) -> list[list]:
     k = len(xs) // 4
     return [xs[i * k : (i + 1) * k] for i in range(4)]
@@ -609,6 +651,7 @@ EXPERIMENTS = {  # name: (run, plot or None)
     "quality": (cmd_quality, plot_quality),
     "scale": (cmd_scale, plot_scale),
     "history": (cmd_history, None),
+    "arrivals": (cmd_arrivals, None),
     "parallel": (cmd_parallel, None),
 }
 
@@ -630,7 +673,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--budget", type=int, default=128)
     p.add_argument("--pools", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--pool", type=int, default=96, help="sla: KV blocks")
+    p.add_argument("--pool", type=int, default=96, help="sla, arrivals: KV blocks")
+    p.add_argument("--every", type=int, default=20, help="arrivals: steps apart")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--repeats", type=int, default=3)
@@ -638,7 +682,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--baseline",
         type=pathlib.Path,
-        help="scale, history: also time this site folder's overlay (an older "
+        help="scale, history, arrivals: also time this site folder's overlay (an older "
         "series applied to a copy of vLLM; docs/DEVELOPING.md)",
     )
     return p.parse_args()
