@@ -20,8 +20,6 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
                 to P ("prefix"), or after request i - 1's prompt and output
   histogram, record_dead   record how many held blocks have 0..B live tokens
               (every step), each request's evicted tokens (as of its last step)
-  record_reads  each step's token read (CPU): [vLLM's kernel ran too, rows the
-              read wrote, rows], or None
   count_calls  count the Python and C calls engine steps make (slower)
   light       record no per-request block state per step (large batches)
   force       per request, token ids to emit (teacher forcing, ForceTokens); the
@@ -308,7 +306,7 @@ class Driver:
         aborts = {int(k): v for k, v in (wave.get("aborts") or {}).items()}
         free_start, outputs, finish_t, steps = pool.get_num_free_blocks(), {}, {}, []
         cached, dead, logprobs, vt = {}, {}, {}, getattr(sched, "vtoken", None)
-        scores, reads = {}, watch_reads() if wave.get("record_reads") else None
+        scores = {}
         self.counts = {"preemptions": 0, "max_scheduled": 0}
         t0, added = time.monotonic(), 0
         while added < len(prompts) or engine.has_unfinished_requests():
@@ -361,14 +359,10 @@ class Driver:
                     c, "worker_ns", 0
                 )
                 state["hook_calls"] = HOOK_CALLS["call"] + HOOK_CALLS["c_call"]
-            if reads is not None:
-                state["read"], reads[0] = reads[0], None
             light = wave.get("light")  # no per-request state: scale runs
             steps.append(state if light else block_state(sched, histogram) | state)
             if len(steps) > 20000:
                 raise RuntimeError("engine did not finish")
-        if reads is not None:
-            reads.stop()
         return {
             "prompt_lens": [len(p) for p in prompts],
             "max_tokens": lengths,
@@ -407,31 +401,6 @@ class Driver:
         best = [r for r in tried if r["n"] == lo]
         at_max = best[0] if best else None
         return {"tried": tried, "max_concurrency": lo, "at_max": at_max}
-
-
-class watch_reads(list):
-    """Records, in [0], the CPU token read the worker publishes in a step, as
-    [vLLM's kernel ran too, rows the read writes, rows] (in-process engine)."""
-
-    def __init__(self) -> None:
-        import vllm.vtoken.worker as worker
-
-        super().__init__([None])
-        self._worker, self._publish = worker, worker.set_token_read
-
-        def publish(read):
-            if read is not None:
-                plan = read.plan
-                w = plan.decode_write
-                written = plan.num_decode if w is None else int(w.sum())
-                written += sum(plan.other_write)
-                self[0] = [read.with_stock, written, len(read.kv_indptr) - 1]
-            self._publish(read)
-
-        worker.set_token_read = publish
-
-    def stop(self) -> None:
-        self._worker.set_token_read = self._publish
 
 
 def force_tokens():

@@ -76,22 +76,6 @@ def test_nothing_evicted_means_native_output_to_the_bit(engine, policy):
     assert run["outputs"] == native["outputs"]
 
 
-def test_once_a_request_has_a_dead_token_attention_runs_once(engine):
-    """Prompts on both sides of the budget: the long ones evict from their
-    first decode while the short ones are under budget. Until the first
-    eviction every row is vLLM's (H2O reads them for scores only); from then
-    on the token read writes every row, under budget or not, and vLLM's
-    kernel is skipped, rather than run for the batch and then overwritten."""
-    run = engine({**spec("h2o", "vtoken"), "record_reads": True})
-    lens = run["prompt_lens"]
-    assert min(lens) < BUDGET < max(lens)
-    reads = [s["read"] for s in run["steps"] if s["read"] is not None]
-    assert reads and reads[0] == [True, 0, 6]  # the prefill: scores only
-    for stock, written, rows in reads:
-        assert (stock, written) in ((True, 0), (False, rows)), (stock, written, rows)
-    assert any(not stock for stock, _, _ in reads)
-
-
 def test_h2o_aggregate_max_is_a_different_heavy_hitter_choice(engine):
     """`aggregate: max` scores a token by the head that attends it most, not
     the mean over heads: the same budget, other tokens kept."""

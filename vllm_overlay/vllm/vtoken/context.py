@@ -34,11 +34,11 @@ class TokenRead:
     read as the index tensors of the device's attention path.
 
     A request with no keys (kv_indptr[r] == kv_indptr[r + 1]) is not on the
-    token read: vLLM's own kernel reads it (opted out, or nobody in the step
-    has a dead token and it needs no scores); one with keys may be read for
-    its scores only (the plan's write flags). `with_stock` says some request
-    takes its output from vLLM's kernel: the backend then runs that kernel
-    for the batch first, and the token read overwrites the rows it writes.
+    token read: it has no dead token and needs no scores, so vLLM's own kernel
+    reads it; one with keys but no dead token is read for its scores only.
+    `with_stock` says some request takes its output from vLLM's kernel: the
+    backend then runs that kernel for the batch first, and the token read
+    overwrites the rows of the requests with a dead token.
     """
 
     query_start_loc: np.ndarray  # int64 [num_reqs + 1]

@@ -57,7 +57,7 @@ def triton_forward(
     the same 2D/3D choice as stock.
 
     With `read.with_stock` vLLM's kernel has written every row already; the
-    read overwrites the rows it writes (`plan.rows`).
+    read overwrites the rows of the requests with a dead token.
     """
     plan = read.plan
     num_tokens, num_heads, head_dim = query.shape

@@ -36,7 +36,7 @@ from vllm.vtoken.cpu_attention import build_cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.ranks import Acks, RankGroups
-from vllm.vtoken.request_args import RequestEviction, request_eviction
+from vllm.vtoken.request_args import request_eviction
 from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.staging import HostToDevice
 from vllm.vtoken.stats import VTokenCounters, timed
@@ -133,7 +133,6 @@ class VTokenWorker:
         # covers them, for their scores (vLLM's kernels return no
         # probabilities); their output is its only once they have a dead token.
         self._scored: dict[str, bool] = {}
-        self._evicts: dict[str, bool] = {}  # has a policy (not opted out)
         self.counters = VTokenCounters()  # worker_ns only
 
     @timed("worker_ns")
@@ -148,7 +147,7 @@ class VTokenWorker:
         for rid in so.finished_req_ids:
             if rid in pool:
                 pool.release(rid)
-                del self._scored[rid], self._evicts[rid]
+                del self._scored[rid]
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             if rid in pool:
                 pool.reset_slots(rid)
@@ -181,13 +180,11 @@ class VTokenWorker:
     ) -> None:
         """Slot the step's tokens and publish the live slots for attention.
 
-        A step where no request has a dead token keeps vLLM's kernel for every
-        row (so a budget never reached leaves the output native's to the
-        bit); requests whose policy reads scores are read for their masses
-        only. Once some request has one, every request that evicts takes its
-        output from the token read, dead token or not: attention runs once.
-        Only opted-out requests (no policy) then keep vLLM's kernel, which
-        runs for the batch first, the token read overwriting the others' rows.
+        Only requests with a dead token take their output from the token read;
+        requests whose policy reads scores are read for their attention masses
+        too. The two mix in a step: vLLM's kernel writes every row, then the
+        token read overwrites the rows of requests with a dead token (so the
+        others get vLLM's output to the bit until their first eviction).
         """
         B, pool = self.block_size, self.pool
         num_reqs = input_batch.num_reqs
@@ -200,9 +197,7 @@ class VTokenWorker:
         if new := set(rids).difference(self._scored):  # first sight
             for rid in (r for r in rids if r in new):
                 pool.add_request(rid)
-                evict = self._eviction(requests[rid])
-                self._evicts[rid] = evict.evicts
-                self._scored[rid] = self.scores is not None and bool(evict.score_mode)
+                self._scored[rid] = self._reads_scores(requests[rid])
         rows = pool.rows(rids)
         new = slot_mapping[: qsl[-1]].astype(np.int64)
         start = pool.num_slotted_rows(rows)
@@ -211,8 +206,6 @@ class VTokenWorker:
             new = self._with_hits(rids, requests, start, hits, counts, new)
         pool.append_rows(rows, hits + counts, new)
         writes = pool.has_dead_rows(rows)
-        if writes.any():  # a mixed step would run attention twice
-            writes |= lookup(self._evicts, rids, bool)
         reads = writes | lookup(self._scored, rids, bool)
         if not reads.any():
             return  # nobody reads through the token table this step
@@ -273,14 +266,15 @@ class VTokenWorker:
             out[first[i] : first[i] + hits[i]] = ids[pos // B] * B + pos % B
         return out
 
-    def _eviction(self, req: CachedRequestState) -> RequestEviction:
+    def _reads_scores(self, req: CachedRequestState) -> bool:
         params = req.sampling_params
-        return request_eviction(
+        evict = request_eviction(
             params.extra_args if params is not None else None,
             self.cfg,
             block_size=self.block_size,
             max_model_len=self._max_model_len,
         )
+        return self.scores is not None and evict.score_mode is not None
 
     def end_stage(self) -> None:
         """PP, a rank before the last: its step ends when it has sent its
