@@ -353,8 +353,12 @@ def arrivals_section(d: dict, img: str) -> list[str]:
         f"up to {d['prompt_len']} tokens, {d['gen_len']} generated, one arriving "
         f"every {d['every']} steps, pool {d['pool']} blocks, budget {d['budget']}: "
         "most steps mix requests under budget with evicting ones. Medians over "
-        f"{d['repeats']} runs per row, the versions taking turns; before: the "
-        "overlay `--baseline` holds.",
+        f"{d['repeats']} runs per row, taking turns"
+        + (
+            "; before: the overlay `--baseline` holds."
+            if "--baseline" in d["command"]
+            else "."
+        ),
         {"mode": "l", "steps": "r", "median step ms": "r", "total step s": "r"}
         | {"vs native": "r"},
     )
