@@ -356,7 +356,7 @@ def arrivals_section(d: dict, img: str) -> list[str]:
         f"{d['repeats']} runs per row, taking turns"
         + (
             "; before: the overlay `--baseline` holds."
-            if "--baseline" in d["command"]
+            if any(k.endswith("/before") for k in d["rows"])
             else "."
         ),
         {"mode": "l", "steps": "r", "median step ms": "r", "total step s": "r"}

@@ -503,7 +503,8 @@ def cmd_arrivals(args) -> dict:
     version (--baseline too), --repeats times taking turns; each run's median
     and total step time."""
     n = args.requests
-    eng = engine_args(args, num_gpu_blocks_override=args.pool, max_model_len=1024)
+    longest = max(1024, args.prompt_len + args.gen_len)
+    eng = engine_args(args, num_gpu_blocks_override=args.pool, max_model_len=longest)
     spec = {**workload(args, n, 32), "arrivals": [args.every * i for i in range(n)]}
     runs: dict[str, list] = {}
     for _, policy, (ver, env) in itertools.product(
