@@ -214,6 +214,24 @@ def test_scissorhands_restarts_ages_with_the_scores_after_a_preemption():
     assert out.tolist() == [103]
 
 
+def test_scissorhands_counts_a_resumed_request_from_its_first_step_back():
+    """After the restart, a token's age counts the steps its scores have seen
+    since the resume, not one more. Token 0 was unimportant at the first step
+    back, token 100 (new that step) at the fourth: 100's miss weighs more (the
+    average forgets older steps), so 100 goes. Counting one step too many
+    read a further miss into token 0's rate and evicted it."""
+    policy = create_policy("scissorhands", 8, {"recent_ratio": 0})
+    acc = scissorhands_run(policy, "p", 100, lambda s: [True] * (s + 1))
+    policy.reset_scores("p")  # VTokenScheduler.on_preempt
+    acc.release("p")  # the worker, as the request resumes
+    scissorhands_run(
+        policy, "p", 6, lambda s: [s != 0] + [True] * 99 + [s != 3] + [True] * s, acc
+    )
+    idx = np.array([0, 100])
+    out = policy.evict_token(view(idx, scores=acc.scores("p", idx), rid="p"), 1)
+    assert out.tolist() == [100]
+
+
 @pytest.mark.parametrize(
     "module",
     ["h2o.py", "streaming_llm.py", "scissorhands.py", "snapkv.py", "random_policy.py"],

@@ -80,11 +80,12 @@ class ArrivalSteps:
         return a.cols["step"][rows] - a.data["born"][a.start[rows] + batch.live_idx] + 1
 
     def restart(self, req_id: str) -> None:
-        """Every token of the request counts as arrived at its current step."""
+        """Every token of the request counts as arrived at its next step, the
+        first its restarted scores see (as a token added then is)."""
         if req_id in self._a.index:
             row = self._a.index[req_id]
             span = self._a.span(row, self._a.cols["n"][row])
-            self._a.data["born"][span] = self._a.cols["step"][row]
+            self._a.data["born"][span] = self._a.cols["step"][row] + 1
 
     def forget(self, req_id: str) -> None:
         if req_id in self._a.index:
