@@ -278,6 +278,8 @@ def test_snapkv_pools_the_window_scores_at_its_first_eviction():
 
 
 def test_a_broken_plugin_entry_point_is_named(monkeypatch):
+    """A plug-in that does not load fails only when chosen, naming the entry
+    point and why: `import vllm` imports this package, vToken on or off."""
     import importlib.metadata as md
 
     import vllm.vtoken.policies as policies
@@ -285,12 +287,22 @@ def test_a_broken_plugin_entry_point_is_named(monkeypatch):
     def declare(name, value):
         ep = md.EntryPoint(name, value, policies.ENTRY_POINT_GROUP)
         monkeypatch.setattr(md, "entry_points", lambda group: [ep])
+        policies._register_plugins()  # at import: logs, does not raise
 
+    monkeypatch.setattr(policies, "BROKEN", {})
+    declare("gone", "no_such_module:Policy")
+    with pytest.raises(
+        ValueError,
+        match="'gone' is unavailable: .*gone = no_such_module:Policy "
+        "failed to load: ModuleNotFoundError",
+    ):
+        create_policy("gone", 8)
+    assert create_policy("h2o", 8).name == "h2o"  # the others are unharmed
     declare("x", "numpy:ndarray")
-    with pytest.raises(TypeError, match="x = numpy:ndarray is not an EvictionPolicy"):
-        policies._register_plugins()
+    with pytest.raises(ValueError, match="x = numpy:ndarray is not an EvictionPolicy"):
+        create_policy("x", 8)
     declare("other", "vtoken_oldest:OldestFirstPolicy")
     with pytest.raises(ValueError, match="other names a policy called 'oldest'"):
-        policies._register_plugins()
-    declare("oldest", "vtoken_oldest:OldestFirstPolicy")
-    policies._register_plugins()  # already registered: loading it again is fine
+        create_policy("other", 8)
+    declare("oldest", "vtoken_oldest:OldestFirstPolicy")  # registered already
+    assert create_policy("oldest", 8).name == "oldest"

@@ -74,6 +74,17 @@ def test_bad_values_name_the_key_and_the_rule(args, cfg, message):
         parse(args, cfg)
 
 
+def test_a_plugin_that_failed_to_load_is_refused_with_the_reason(monkeypatch):
+    import vllm.vtoken.policies as policies
+
+    why = "vtoken.policies entry point gone = x:Y failed to load: ImportError"
+    monkeypatch.setitem(policies.BROKEN, "gone", why)
+    with pytest.raises(
+        ValueError, match=f"kv_eviction_policy='gone' is unavailable: {why}"
+    ):
+        parse({"kv_eviction_policy": "gone"})
+
+
 def test_runtime_keeps_each_request_within_its_own_budget():
     pool = TokenTablePool(64, B)
     rt = EvictionRuntime(pool, create_policy("streamingllm", 8), 8)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
-from vllm.vtoken.policies import POLICIES, create_policy
+from vllm.vtoken.policies import BROKEN, POLICIES, create_policy
 
 if TYPE_CHECKING:
     from vllm.vtoken.config import VTokenConfig
@@ -129,6 +129,11 @@ def request_eviction(
 def _check_policy(policy: Any, cfg: VTokenConfig) -> None:
     if policy == OPT_OUT:
         return
+    if isinstance(policy, str) and policy in BROKEN:
+        raise VLLMValidationError(
+            f"{POLICY_KEY}={policy!r} is unavailable: {BROKEN[policy]}",
+            parameter=POLICY_KEY,
+        )
     if not isinstance(policy, str) or policy not in POLICIES:
         raise VLLMValidationError(
             f"{POLICY_KEY} must be one of {[OPT_OUT, *sorted(POLICIES)]}, "

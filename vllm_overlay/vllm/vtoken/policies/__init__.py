@@ -4,7 +4,10 @@
 Importing this package registers every built-in policy in `POLICIES`, then the
 policies other installed packages declare in the `vtoken.policies` entry point
 group (`name = "module:PolicyClass"`, an `EvictionPolicy` whose `name` is the
-entry point's); `create_policy` builds one from the engine arguments.
+entry point's); `create_policy` builds one from the engine arguments. A
+plug-in that fails to load does not fail `import vllm` (this package is
+imported with vLLM's input processor, vToken on or off): it is logged, and
+choosing it raises, naming the entry point and why.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.vtoken.policies import (
     h2o,
     random_policy,
@@ -29,21 +33,36 @@ from vllm.vtoken.policies.base import (
 del h2o, random_policy, scissorhands, snapkv, streaming_llm  # imported to register
 
 ENTRY_POINT_GROUP = "vtoken.policies"
+BROKEN: dict[str, str] = {}  # plug-in name -> why it did not load
+
+logger = init_logger(__name__)
+
+
+def _load_plugin(ep: importlib.metadata.EntryPoint) -> type[EvictionPolicy]:
+    where = f"{ENTRY_POINT_GROUP} entry point {ep.name} = {ep.value}"
+    try:
+        cls = ep.load()
+    except Exception as e:
+        raise ValueError(f"{where} failed to load: {type(e).__name__}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise ValueError(f"{where} is not an EvictionPolicy subclass")
+    if getattr(cls, "name", None) != ep.name:
+        raise ValueError(
+            f"{ENTRY_POINT_GROUP} entry point {ep.name} names "
+            f"a policy called {getattr(cls, 'name', None)!r}"
+        )
+    return cls
 
 
 def _register_plugins() -> None:
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        cls = ep.load()
-        if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-            raise TypeError(
-                f"{ENTRY_POINT_GROUP} entry point {ep.name} = "
-                f"{ep.value} is not an EvictionPolicy subclass"
-            )
-        if getattr(cls, "name", None) != ep.name:
-            raise ValueError(
-                f"{ENTRY_POINT_GROUP} entry point {ep.name} names "
-                f"a policy called {getattr(cls, 'name', None)!r}"
-            )
+        try:
+            cls = _load_plugin(ep)
+        except ValueError as e:
+            BROKEN[ep.name] = str(e)
+            logger.warning("vToken: policy %r is unavailable: %s", ep.name, e)
+            continue
+        BROKEN.pop(ep.name, None)
         if POLICIES.get(ep.name) is not cls:  # its module may register it too
             register_policy(cls)
 
@@ -66,10 +85,13 @@ def create_policy(
         The policy.
 
     Raises:
-        ValueError: On an unknown name (the message lists the valid ones), a bad
-            budget or bad knobs.
+        ValueError: On an unknown name (the message lists the valid ones), a
+            plug-in that failed to load (the message says why), a bad budget
+            or bad knobs.
     """
     cls = POLICIES.get(name)
+    if cls is None and name in BROKEN:
+        raise ValueError(f"eviction policy {name!r} is unavailable: {BROKEN[name]}")
     if cls is None:
         raise ValueError(
             f"unknown eviction policy {name!r}; valid: {', '.join(sorted(POLICIES))}"
