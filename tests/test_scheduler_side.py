@@ -291,6 +291,46 @@ def test_a_tight_pool_writes_cached_blocks():
     assert cache_hits(kv, list(range(100, 113))) == 4
 
 
+def hold_blocks(kv, n: int):
+    """A request vToken does not see (another one's) holding n blocks."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    hasher = get_request_block_hasher(B, sha256)
+    prompt = list(range(500, 500 + n * B))
+    other = Request(
+        "Z", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher
+    )
+    assert kv.allocate_slots(other, n * B) is not None
+    return other
+
+
+def test_a_tight_pool_still_evacuates_when_no_fresh_block_is_needed():
+    """The pool's spare blocks bound only plans that take fresh ones. After
+    the evacuation of step 2 and three more deaths, token 0 sits alone in the
+    fresh block F (three holes), 10 and 11 in cached b2; once 10 dies, the
+    evacuation of b2 into F's holes takes nothing from the pool, so it runs
+    with the pool empty too, and b2 stays in the cache."""
+    kv, vt, req = setup("vtoken", caching=True, blocks=8)
+    step(kv, vt, req, 12, running=[])
+    b2 = kv.block_pool.blocks[kv.get_block_ids("A")[0][2]]
+    for _ in range(4):  # step 2 evacuates b0, b1 into F; then 7, 8, 9 die
+        step(kv, vt, req, 1, running=[req])
+    fresh_id = kv.get_block_ids("A")[0][0]
+    assert vt.pool.block_live[[fresh_id, b2.block_id]].tolist() == [1, 2]
+    # Another request holds the pool but for this step's new tail block.
+    other = hold_blocks(kv, kv.block_pool.get_num_free_blocks() - 1)
+    out = step(kv, vt, req, 1, running=[req])  # 10 dies: a block's worth
+    assert out.moves.idx.tolist() == [11]
+    assert out.moves.dst_slots.tolist() == [fresh_id * B + 1]
+    assert vt.counters.tight_plans == 0 and vt.counters.evacuated_blocks == 3
+    assert b2.block_hash is not None and b2.ref_cnt == 0  # freed, still cached
+    assert kv.block_pool.get_num_free_blocks() == 1  # b2
+    kv.free(other)
+
+
 def test_blocks_emptied_mid_list_are_freed_in_place_also_after_a_resume():
     """Naive-evict finds an emptied block in the request's list through the
     reclaimer's block -> position map, which follows vLLM's appends and the

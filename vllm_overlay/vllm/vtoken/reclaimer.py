@@ -266,9 +266,10 @@ class BlockReclaimer:
         if is_cached.any():
             plan = plan_around_cache(cached=is_cached, **common)
             # Fresh blocks come back as sources within a step or two; keep one
-            # block per scheduled request for the next step's tokens.
+            # block per scheduled request for the next step's tokens. A plan
+            # that takes none runs however full the pool is.
             spare = self.block_pool.get_num_free_blocks() - len(scheduled)
-            if int(plan.num_fresh.sum()) > spare:
+            if 0 < int(plan.num_fresh.sum()) > spare:
                 plan = None
                 self.counters.tight_plans += 1
         if plan is None:
