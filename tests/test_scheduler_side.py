@@ -257,6 +257,30 @@ def test_cached_blocks_are_evacuated_and_stay_hittable():
     assert vt.counters.evacuated_blocks == 2 and vt.counters.tight_plans == 0
 
 
+def test_a_block_emptied_while_its_copy_is_in_flight_waits_for_the_ack():
+    """A batch stays in flight across steps (the GPU's copy stream, PP's batch
+    queue). As in test_hand_computed_step, step 2 moves token 0 from b0 into
+    b1's holes; before the ack, step 3 evicts 7, b1's own last token. b1 is
+    then empty but busy: token 0 lands in it. Every block emptied in that step
+    being busy used to crash the step (nothing left to free)."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, req = setup("vtoken")
+    free0 = kv.block_pool.get_num_free_blocks()
+    step(kv, vt, req, 12, running=[])
+    b0, b1, _ = kv.get_block_ids("A")[0]
+    out = step(kv, vt, req, 1, running=[req], ack=False)
+    assert out.moves.idx.tolist() == [0] and out.moves.dst_slots.tolist() == [b1 * B]
+    out = step(kv, vt, req, 1, running=[req], ack=False)
+    assert out.dead["A"].tolist() == [7] and vt.pool.block_live[b1] == 0
+    assert kv.get_block_ids("A")[0][:2] == [b0, b1]  # both held: in flight
+    vt.on_output(VTokenWorkerOutput(acked_batches=[0]))  # the copy completes
+    vt.check_integrity()
+    assert kv.get_block_ids("A")[0][:2] == [0, b1]  # b0 freed, b1 holds token 0
+    assert vt.pool.block_live[b1] == 1
+    assert kv.block_pool.get_num_free_blocks() == free0 - 3  # b1, b2, tail (12, 13)
+
+
 def test_an_evacuation_dropped_in_flight_frees_the_displaced_blocks():
     """Preempted before its copies are acked: the fresh block is in the block
     list (vLLM frees it), the source it displaced is ours to free."""

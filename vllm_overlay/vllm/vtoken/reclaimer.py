@@ -115,9 +115,11 @@ class BlockReclaimer:
         # Each (request, block) once, by request then block id.
         key = np.unique(seg[empty] * pool.num_blocks + blk[empty])
         seg, blk = key // pool.num_blocks, key % pool.num_blocks
-        if self._busy:
+        if self._busy:  # a copy in flight may fill it yet (or frees it)
             busy = self._busy.__contains__
             idle = ~np.fromiter(map(busy, blk.tolist()), bool, blk.size)
+            if not idle.any():
+                return
             seg, blk = seg[idle], blk[idle]
         reqs, cut = np.unique(seg, return_index=True)  # seg is sorted
         cut, freed = cut.tolist(), []
