@@ -30,6 +30,7 @@ def setup(
     embeds: bool = False,
     blocks=16,
     policy="streamingllm",
+    knobs=None,
 ):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -58,7 +59,11 @@ def setup(
     cfg = VTokenConfig(
         kv_eviction_policy=policy,
         kv_budget_tokens=6,
-        kv_eviction_config={"num_sinks": 1} if policy == "streamingllm" else {},
+        kv_eviction_config=knobs
+        if knobs is not None
+        else {"num_sinks": 1}
+        if policy == "streamingllm"
+        else {},
         kv_reclaim=reclaim,
         kv_reclaim_threshold=1.0,
     )
@@ -279,6 +284,37 @@ def test_a_block_emptied_while_its_copy_is_in_flight_waits_for_the_ack():
     assert kv.get_block_ids("A")[0][:2] == [0, b1]  # b0 freed, b1 holds token 0
     assert vt.pool.block_live[b1] == 1
     assert kv.block_pool.get_num_free_blocks() == free0 - 3  # b1, b2, tail (12, 13)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_destination_whose_moved_tokens_died_in_flight_is_freed_at_the_ack(
+    caching,
+):
+    """Random evictions while a batch stays in flight for six steps: in some
+    runs every token moved into a destination dies before the copy is acked
+    (in a fresh block, when evacuating cached blocks). At the ack such a block
+    is freed, as it would have been had it not been busy; it used to stay
+    held, empty, until the request ended."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    emptied = 0
+    for seed in range(40):
+        kv, vt, req = setup("vtoken", caching, policy="random", knobs={"seed": seed})
+        step(kv, vt, req, 12, running=[])
+        out = step(kv, vt, req, 1, running=[req], ack=False)  # the plan
+        if out is None or out.moves is None:
+            continue
+        dst = np.unique(out.moves.dst_slots // B)
+        for _ in range(6):
+            step(kv, vt, req, 1, running=[req], ack=False)
+        emptied += bool((vt.pool.block_live[dst] == 0).any())
+        vt.on_output(VTokenWorkerOutput(acked_batches=[out.moves.batch_id]))
+        vt.check_integrity()
+        held = np.asarray(kv.get_block_ids("A")[0][:-1])  # all but the tail
+        held = held[held != 0]
+        assert (vt.pool.block_live[held] > 0).all(), (seed, held.tolist())
+        assert kv.block_pool.get_num_free_blocks() == 15 - held.size - 1, seed
+    assert emptied > 0  # the case arose
 
 
 def test_an_evacuation_dropped_in_flight_frees_the_displaced_blocks():

@@ -163,9 +163,17 @@ class BlockReclaimer:
         return batch
 
     def release_sources(self, rid: str, rec: RequestState) -> None:
-        """The request's part of its acknowledged batch: free the sources."""
+        """The request's part of its acknowledged batch: free the sources, and
+        the destinations left without a live token (every token in them died
+        while the copy was in flight: busy, free_empty_blocks kept them)."""
         self._unbusy(rec.move_batch, [b.block_id for b in rec.move_src])
         self.release_blocks(rid, rec, rec.move_src)
+        dead = rec.move_dst[self.pool.block_live[rec.move_dst] == 0]
+        if dead.size:
+            held = self.positional(rid)
+            entries = self.blocks.find(rid, dead.tolist())
+            entries = [i for i in entries if held[i].ref_cnt == 1]
+            self._free(self._null_out(rid, rec, entries))
         # The fresh blocks that replaced displaced sources were taken from the pool.
         self.counters.reclaimed_blocks -= len(rec.move_detached)
         rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
