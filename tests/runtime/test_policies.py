@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.vtoken.policies import POLICIES, RequestView, create_policy
+from vllm.vtoken.policies import POLICIES, EvictionPolicy, RequestView, create_policy
 from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.seeding import request_rng
 
@@ -275,6 +275,39 @@ def test_snapkv_pools_the_window_scores_at_its_first_eviction():
     for bad in ({"kernel_size": 4}, {"pooling": "median"}, {"window": 0}):
         with pytest.raises(ValueError):
             create_policy("snapkv", 8, bad)
+
+
+@pytest.mark.parametrize(
+    "attrs, message",
+    [
+        ({"score_mode": "mass"}, "score_mode must be None or one of"),
+        ({"score_mode": "window"}, "score_mode 'window' needs score_query_window"),
+        ({"score_mode": "sum", "score_window": 8}, "score_window is for score_mode"),
+        ({"score_query_window": 4}, "score_query_window is for score_mode 'window'"),
+        (
+            {"score_mode": "persistence", "score_window": 0},
+            "score_window must be an integer >= 1",
+        ),
+        (
+            {"score_mode": "window", "score_query_window": 2.0},
+            "score_query_window must be an",
+        ),
+    ],
+)
+def test_a_policys_score_attributes_are_checked_against_its_mode(attrs, message):
+    """A plug-in's score attributes fail when the policy is built (start-up),
+    not in the worker's first scored step."""
+
+    class Bad(EvictionPolicy):
+        name = "bad"
+
+        def evict_token(self, req, num_evict):
+            return req.live_idx[:num_evict]
+
+    for attr, value in attrs.items():
+        setattr(Bad, attr, value)
+    with pytest.raises(ValueError, match=f"bad: {message}"):
+        Bad(8)
 
 
 def test_a_broken_plugin_entry_point_is_named(monkeypatch):

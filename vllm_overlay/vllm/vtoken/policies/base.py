@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from vllm.vtoken.scores import SCORE_MODES
+
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 AGGREGATES = ("mean", "max")  # the `aggregate` knob of score policies
 
@@ -100,10 +102,11 @@ def one_request(req: RequestView, seed: int = 0) -> BatchView:
 class EvictionPolicy(ABC):
     """A token eviction policy.
 
-    Subclasses set `name`, `score_mode` (None, "sum" or "persistence": which
-    score the runtime must provide), `defaults` (knob name -> default value) and
-    implement `evict_token`. Knob values are in `self.knobs`; `_validate` checks
-    them and derives attributes.
+    Subclasses set `name`, `score_mode` (None, "sum", "persistence" or
+    "window": which score the runtime must provide), `defaults` (knob name ->
+    default value) and implement `evict_token`. Knob values are in
+    `self.knobs`; `_validate` checks them and derives attributes, the score
+    attributes below included, which are then checked against the mode.
     """
 
     name: ClassVar[str]
@@ -151,6 +154,37 @@ class EvictionPolicy(ABC):
                     f"got {self.score_aggregate!r}"
                 )
         self._validate()
+        self._check_score_attributes()
+
+    def _check_score_attributes(self) -> None:
+        """What the worker's ScoreAccumulator needs, checked at start-up (a
+        plug-in's mistakes would otherwise surface in the worker's first step)."""
+        mode = self.score_mode
+        if mode is not None and mode not in SCORE_MODES:
+            raise ValueError(
+                f"{self.name}: score_mode must be None or one of "
+                f"{list(SCORE_MODES)}, got {mode!r}"
+            )
+        if mode == "window" and self.score_query_window is None:
+            raise ValueError(
+                f"{self.name}: score_mode 'window' needs score_query_window"
+            )
+        for attr, mode_of_attr in (
+            ("score_window", "persistence"),
+            ("score_query_window", "window"),
+        ):
+            value = getattr(self, attr)
+            if value is None:
+                continue
+            if mode != mode_of_attr:
+                raise ValueError(
+                    f"{self.name}: {attr} is for score_mode {mode_of_attr!r}, "
+                    f"not {mode!r}"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{self.name}: {attr} must be an integer >= 1, got {value!r}"
+                )
 
     def _validate(self) -> None:  # noqa: B027
         """Checks knob values (override); raises ValueError."""
