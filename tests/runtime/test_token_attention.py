@@ -459,6 +459,38 @@ def test_decode_takes_the_split_kv_path_with_the_same_output_under_interpreter()
     run_under_interpreter(_SPLIT_KV_CHILD, "SPLIT-KV-OK")
 
 
+_WARM_UP_CHILD = """
+    from types import SimpleNamespace
+
+    from vllm.vtoken.scores import ScoreAccumulator
+    from vllm.vtoken.triton_attention import split_kv_buffers, warm_up
+
+    N, H, Hq, B, D, S = 4, 2, 4, 16, 32, 4
+    kv = torch.randn(N, 2, B, H, D)
+    before = kv.clone()
+    builder = SimpleNamespace(
+        seq_threshold_3D=8, num_par_softmax_segments=S,
+        softmax_segm_output=torch.empty(8, Hq, S, D),
+        softmax_segm_max=torch.full((8, Hq, S), float("nan")),
+        softmax_segm_expsum=torch.empty(8, Hq, S),
+    )
+    other = SimpleNamespace(metadata_builders=[SimpleNamespace()])  # not TRITON_ATTN
+    groups = [[other, SimpleNamespace(metadata_builders=[builder])]]
+    assert split_kv_buffers(groups) is builder and split_kv_buffers([[other]]) is None
+    warm_up(kv, Hq, ScoreAccumulator("sum"), split_kv_buffers(groups))
+    assert not builder.softmax_segm_max[0].isnan().all(), "the 3D path did not run"
+    assert torch.equal(kv, before), "the warm-up wrote the cache"
+    print("WARM-UP-OK")
+"""
+
+
+def test_warm_up_runs_the_split_kv_decode_read_under_interpreter():
+    """The start-up warm-up compiles decode's 3D variant too, through the
+    split-KV buffers of the runner's TRITON_ATTN metadata builder, and leaves
+    the cache as it found it."""
+    run_under_interpreter(_WARM_UP_CHILD, "WARM-UP-OK")
+
+
 @pytest.mark.gpu
 def test_gpu_triton_token_attention_matches_reference():
     b = make_batch(4, **SHAPES["mixed"])

@@ -97,14 +97,19 @@ def triton_forward(
         read.scores.add(score.positions, mass)
 
 
-def warm_up(kv_cache: torch.Tensor, num_heads: int, scores: Any = None) -> None:
+def warm_up(
+    kv_cache: torch.Tensor, num_heads: int, scores: Any = None, split_kv: Any = None
+) -> None:
     """Compiles the token read's kernels at start-up (decode and prefill
-    variants, and the score kernel when `scores` are accumulated), so the
-    first requests do not stall on Triton compiles. Reads slots 0 and 1 into
-    scratch; writes nothing of the engine's."""
+    variants, decode's split-KV (3D) one too when `split_kv` holds vLLM's
+    buffers, and the score kernel when `scores` are accumulated), so the first
+    requests do not stall on Triton compiles. Reads slots 0 and 1 into
+    scratch (and the split-KV buffers, scratch as well); writes nothing of the
+    engine's."""
     _, _, block, _, head_dim = kv_cache.shape
     stage = HostToDevice(kv_cache.device)
-    for num_q in (1, 2):
+    decode = (None,) if split_kv is None else (None, split_kv)  # None: 2D
+    for num_q, splits in ((1, decode), (2, (None,))):
         plan = build_triton_read_plan(
             np.array([0, num_q]),
             np.array([0, 2]),
@@ -115,9 +120,23 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, scores: Any = None) -> None:
             stage=stage,
         )
         q = kv_cache.new_zeros(num_q, num_heads, head_dim)
-        triton_forward(_Read(plan, None), q, kv_cache, torch.empty_like(q), 1.0)
+        for split in splits:
+            out = torch.empty_like(q)
+            triton_forward(_Read(plan, None), q, kv_cache, out, 1.0, split)
         if scores is not None:
             triton_attention_mass(q, kv_cache, plan.score, 1.0, scores.aggregate)
+
+
+def split_kv_buffers(attn_groups: Any) -> Any:
+    """The first TRITON_ATTN metadata builder among the model runner's
+    attention groups: it holds the split-KV (3D) buffers and threshold that
+    each step's metadata carries (`SPLIT_KV`), or None."""
+    for groups in attn_groups:
+        for group in groups:
+            for builder in group.metadata_builders:
+                if all(hasattr(builder, name) for name in SPLIT_KV):
+                    return builder
+    return None
 
 
 @dataclass(frozen=True)

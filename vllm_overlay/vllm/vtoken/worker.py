@@ -43,9 +43,12 @@ from vllm.vtoken.stats import VTokenCounters, timed
 from vllm.vtoken.token_table import TokenTablePool
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.utils import AttentionGroup
 
 
 def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
@@ -86,7 +89,14 @@ def assert_attention_splits_graphs(vllm_config: VllmConfig) -> None:
 
 
 class VTokenWorker:
-    def __init__(self, vllm_config: VllmConfig, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_caches: list[torch.Tensor],
+        attn_groups: Sequence[Sequence[AttentionGroup]] = (),
+    ) -> None:
+        """`attn_groups`: the model runner's, whose TRITON_ATTN metadata
+        builders hold the split-KV buffers the start-up warm-up reads."""
         refuse_unsupported_attention(vllm_config)
         self.cfg = cfg = vllm_config.vtoken_config
         self.block_size = B = vllm_config.cache_config.block_size
@@ -104,14 +114,14 @@ class VTokenWorker:
         if layout == "cpu":  # numba: compile (or load) now, not in a step
             import vllm.vtoken.read_kernels  # noqa: F401
         if layout == "triton":  # compile now, not in the first requests' steps
-            from vllm.vtoken.triton_attention import warm_up
+            from vllm.vtoken.triton_attention import split_kv_buffers, warm_up
 
             assert_attention_splits_graphs(vllm_config)
             self.executor.warm_up()
             heads = vllm_config.model_config.get_num_attention_heads(
                 vllm_config.parallel_config
             )
-            warm_up(kv_caches[0], heads, self.scores)
+            warm_up(kv_caches[0], heads, self.scores, split_kv_buffers(attn_groups))
         model = vllm_config.model_config
         self._max_model_len = model.max_model_len
         parallel = vllm_config.parallel_config
