@@ -317,19 +317,29 @@ def test_a_destination_whose_moved_tokens_died_in_flight_is_freed_at_the_ack(
     assert emptied > 0  # the case arose
 
 
-def test_an_evacuation_dropped_in_flight_frees_the_displaced_blocks():
-    """Preempted before its copies are acked: the fresh block is in the block
-    list (vLLM frees it), the source it displaced is ours to free."""
+@pytest.mark.parametrize("how", ["preempt", "finish"])
+def test_an_evacuation_dropped_in_flight_is_undone(how):
+    """Dropped before its copies are acked: the evacuation is undone. b0 (the
+    chain's head, evacuated into the fresh block F) goes back in its place, so
+    vLLM frees it with the list, in its order: last, reused last, and still a
+    prefix-cache hit. F, whose copy never counted, is freed first."""
     kv, vt, req = setup("vtoken", caching=True)
     free0 = kv.block_pool.get_num_free_blocks()
     step(kv, vt, req, 12, running=[])
-    step(kv, vt, req, 1, running=[req], ack=False)
-    assert len(vt._reqs["A"].move_detached) == 1
+    b0, b1, b2 = kv.get_block_ids("A")[0]
+    out = step(kv, vt, req, 1, running=[req], ack=False)
+    fresh = int(out.moves.dst_slots[0]) // B
+    assert kv.get_block_ids("A")[0][:3] == [fresh, b1, b2]  # b0 detached
     vt.check_integrity()  # the detached source counts as held
-    vt.on_preempt(req)
+    vt.on_preempt(req) if how == "preempt" else vt.on_free(req)
+    assert kv.get_block_ids("A")[0][:3] == [b0, b1, b2]
+    vt.check_integrity()
     kv.free(req)
     assert kv.block_pool.get_num_free_blocks() == free0
-    vt.check_integrity()
+    queue = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+    assert queue[-3:] == [b2, b1, b0]  # vLLM's order: the list's tail first
+    assert queue.index(fresh) < queue.index(b2)
+    assert cache_hits(kv, list(range(100, 113))) == 12
 
 
 def test_a_tight_pool_writes_cached_blocks():

@@ -19,6 +19,7 @@ batch alone until then (`RequestState.move_detached`)::
     req_to_blocks[rid]  [b7, b3, b9, b4]   b7, b3 cached, evacuated into fresh b12
     planned             [b12, b3, b9, b4]  b7 detached, held by the batch
     acknowledged        [b12, null, b9, b4]  b7, b3 freed with their hashes
+    or dropped first    [b7, b3, b9, b4]   undone: b12 freed, vLLM frees the rest
 
 A block with a copy in flight (source or destination) is never freed or planned
 again until its batch is acknowledged (`_busy`). Blocks are found in their
@@ -177,23 +178,28 @@ class BlockReclaimer:
         # The fresh blocks that replaced displaced sources were taken from the pool.
         self.counters.reclaimed_blocks -= len(rec.move_detached)
         rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
-        rec.move_detached = []
+        rec.move_detached, rec.move_fresh = [], []
 
-    def drop_moves(self, rec: RequestState) -> None:
+    def drop_moves(self, rid: str, rec: RequestState) -> None:
         """Forget a request's in-flight moves; vLLM frees its blocks next.
 
         The worker waits for a finished or preempted request's copies before
         the step runs (VTokenWorker.begin_step), so the blocks may be reused.
+        An evacuation is undone: each displaced source (intact, still cached)
+        goes back where its fresh block took its place, so vLLM frees it with
+        the list, in its order (the chain's head last, reused last); the fresh
+        blocks, whose copies never counted, are freed first.
         """
         if rec.move_batch is None:
             return
         self._unbusy(rec.move_batch, [b.block_id for b in rec.move_src])
         self._unbusy(rec.move_batch, rec.move_dst)
-        # vLLM frees the request's positional blocks, the fresh ones included;
-        # the sources they displaced are held by nobody else.
-        self.block_pool.free_blocks(rec.move_detached)
+        for fresh, source in zip(rec.move_fresh, rec.move_detached, strict=True):
+            (i,) = self.blocks.find(rid, [fresh.block_id])
+            self.blocks.replace(rid, i, source)
+        self.block_pool.free_blocks(rec.move_fresh)
         rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
-        rec.move_detached = []
+        rec.move_detached, rec.move_fresh = [], []
 
     def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
         for b in block_ids:
@@ -333,7 +339,7 @@ class BlockReclaimer:
             rec.move_dst = dst_blocks[dst_at[k] : dst_at[k + 1]]
             busy += ids
             # Cached sources come first in a plan around the cache.
-            rec.move_detached = src_blocks[: len(new)]
+            rec.move_detached, rec.move_fresh = src_blocks[: len(new)], new
             self._swap_in(rid, new, rec.move_detached)
             self.counters.evacuated_blocks += sum(
                 b.block_hash is not None for b in src_blocks

@@ -33,5 +33,7 @@ class RequestState:
     move_src: list[KVCacheBlock] = field(default_factory=list)
     move_dst: np.ndarray = field(default_factory=lambda: NO_BLOCKS)
     # Evacuated sources a fresh block displaced from the positional list: the
-    # batch alone holds them (reclaimer.py), so vLLM's free does not see them.
+    # batch alone holds them (reclaimer.py), so vLLM's free does not see them;
+    # move_fresh[i] took move_detached[i]'s place.
     move_detached: list[KVCacheBlock] = field(default_factory=list)
+    move_fresh: list[KVCacheBlock] = field(default_factory=list)

@@ -248,7 +248,7 @@ class VTokenScheduler:
         if self._scores is not None:  # they restart with the slots
             self._scores.release(req.request_id)
             self._stale[req.request_id] = self._num_steps
-        self.reclaimer.drop_moves(rec)
+        self.reclaimer.drop_moves(req.request_id, rec)
         rec.nulls = 0
 
     def on_free(self, req: Request) -> None:
@@ -261,7 +261,7 @@ class VTokenScheduler:
         self.runtime.release(req.request_id)
         if self._scores is not None:
             self._scores.release(req.request_id)
-        self.reclaimer.drop_moves(rec)
+        self.reclaimer.drop_moves(req.request_id, rec)
 
     # ------------------------------------------------------------ internals
     def _sync_slots(self, scheduled: dict[str, int]) -> None:
