@@ -89,3 +89,24 @@ def test_h2o_aggregate_max_is_a_different_heavy_hitter_choice(engine):
     # Every request is evicted to the same budget, but not of the same tokens.
     assert [len(v) for v in mean.values()] == [len(v) for v in top.values()]
     assert any(mean[k] != top[k] for k in mean)
+
+
+def test_snapkv_scores_a_chunked_prompt_by_its_last_queries_only(engine):
+    """A prompt prefilled in chunks (--max-num-batched-tokens 64) is scored by
+    its last `window` queries, as in one chunk: the same tokens die. Counting
+    every chunk's last rows scored the prompt by each chunk's tail."""
+    workload = {
+        "sharegpt": {"n": 3, "min_tokens": 300, "max_tokens": 300},
+        "max_tokens": 8,
+        "record_dead": True,
+    }
+
+    def run(chunk: int) -> dict:
+        engine_args = spec("snapkv", "vtoken")["engine"]
+        engine_args |= {"max_num_batched_tokens": chunk, "max_num_seqs": 4}
+        return engine({"engine": engine_args, **workload})
+
+    one, chunked = run(1024), run(64)
+    assert chunked["counters"]["evicted_tokens"] > 0
+    assert one["outputs"] == chunked["outputs"]
+    assert chunked["dead"] == one["dead"]

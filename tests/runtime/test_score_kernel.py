@@ -104,6 +104,9 @@ def test_score_plan_tiles_the_counted_rows():
     win = build_score_plan(qsl, indptr, slots, 2, block_q=8)
     assert win.tiles[0].tolist() == [18, 20, 26] and win.query_window == 2
     assert build_score_plan(qsl, indptr, slots, 1).block_q == 1  # decode-like
+    # Per request (SnapKV under chunked prefill): 3 rows, none, -, -, all 3.
+    own = build_score_plan(qsl, indptr, slots, np.array([3, 0, 5, 0, 3]), block_q=8)
+    assert own.tiles[0].tolist() == [17, 25] and own.tiles[1].tolist() == [20, 28]
     assert build_score_plan(qsl, indptr, slots, None).block_q == 16
     empty = build_score_plan(np.array([0, 3]), np.array([0, 0]), slots[:0], None)
     assert empty.num_tiles == 0 and empty.tiles.shape == (4, 0)
@@ -245,3 +248,20 @@ def test_scoring_an_8k_prefill_on_cpu_stays_under_256_mib():
     print(line)
     assert new < 256, line
     assert old > 256, line  # the dense probabilities at a quarter of the length
+
+
+def test_window_rows_are_the_prompts_last_queries_whatever_the_chunks():
+    """SnapKV counts the prefill's last `window` queries: chunks of a 100-token
+    prompt [0, 60), [60, 90), [90, 100) count 0, 22 and 10 rows (32 in all, as
+    one chunk's last 32); a decode step counts its row; a resumed request's
+    recompute (its outputs included in the tokens) is a prefill again."""
+    from vllm.vtoken.scores import window_rows
+
+    got = window_rows(
+        32,
+        [100, 100, 100, 100, 101, 140],
+        [0, 60, 90, 0, 100, 0],
+        [60, 30, 10, 100, 1, 140],
+    )
+    assert got.tolist() == [0, 22, 10, 32, 1, 32]
+    assert window_rows(32, [10], [0], [10]).tolist() == [10]  # short prompt

@@ -542,6 +542,33 @@ def test_one_plan_serves_every_layer():
     torch.testing.assert_close(outs[0], reference(b), atol=1e-5, rtol=1e-5)
 
 
+def test_per_request_window_rows_count_only_those_rows():
+    """SnapKV under chunked prefill: each request counts its own last rows
+    (`score_rows`, 0 for a chunk before the prompt's last queries, a decode
+    request's one row included). Outputs are unchanged; a request's masses
+    are those of a read counting as many rows of it, zero for none."""
+    b = make_batch(6, **SHAPES["mixed"])  # requests 0, 2 decode; 1, 3 prefill
+    args = (b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2)
+    rows = np.array([0, 3, 1, 0])
+    plan = build_cpu_read_plan(*args, score_rows=rows)
+    out, rec = torch.zeros_like(b["query"]), RecordingScores(query_window=99)
+    cpu_token_attention(
+        b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"], rec
+    )
+    torch.testing.assert_close(out, reference(b), atol=1e-5, rtol=1e-5)
+    pos, mass = rec.calls[0]
+    for r, n in enumerate(rows.tolist()):
+        keys = (pos >= int(b["kv_indptr"][r])) & (pos < int(b["kv_indptr"][r + 1]))
+        if n == 0:
+            assert (mass[keys] == 0).all(), r
+            continue
+        one = RecordingScores(query_window=n)
+        run_cpu(b, scores=one)
+        p1, m1 = one.calls[0]
+        want = m1[(p1 >= int(b["kv_indptr"][r])) & (p1 < int(b["kv_indptr"][r + 1]))]
+        torch.testing.assert_close(mass[keys], want, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("window", [None, 2])
 def test_score_only_requests_keep_the_rows_vllm_wrote(window):
     """A request without a dead token is read for its masses only: its output

@@ -47,6 +47,8 @@ class TokenRead:
     plan: CpuReadPlan | TritonReadPlan
     scores: ScoreAccumulator | None  # accumulate attention mass (H2O, ...)
     with_stock: bool = False
+    # "window" scores (SnapKV): per request, its last query rows that count.
+    score_rows: np.ndarray | None = None  # int64 [num_reqs]
 
 
 _current: TokenRead | None = None

@@ -91,6 +91,10 @@ class CpuReadPlan:
     score_pos: torch.Tensor  # [S''] int64
     decode_write: torch.Tensor | None  # [R] bool; None: write every row
     other_write: list[bool]
+    # "window" scores (SnapKV): decode requests whose row counts (None: all),
+    # and each other request's counted last rows (None: scores' window).
+    decode_counted: torch.Tensor | None = None  # [R] bool
+    other_rows: list[int] | None = None
 
 
 def build_cpu_read_plan(
@@ -100,6 +104,7 @@ def build_cpu_read_plan(
     block_size: int,
     num_kv_heads: int,
     write: np.ndarray | None = None,
+    score_rows: np.ndarray | None = None,
 ) -> CpuReadPlan:
     """The index tensors of one step's read, for every layer.
 
@@ -111,6 +116,9 @@ def build_cpu_read_plan(
         block_size: B.
         num_kv_heads: H of the cache.
         write: `[R]` bool, whose output the read writes (default: all).
+        score_rows: `[R]` int, per request its last query rows whose
+            attention counts toward "window" scores (0: none); default: the
+            scores' own window.
     """
     from vllm.vtoken.read_kernels import decode_index  # numba: vToken on only
 
@@ -153,6 +161,10 @@ def build_cpu_read_plan(
         score_pos=torch.from_numpy(score_pos),
         decode_write=None if write[decode].all() else torch.from_numpy(write[decode]),
         other_write=write[others].tolist(),
+        decode_counted=None
+        if score_rows is None or (score_rows[decode] > 0).all()
+        else torch.from_numpy(score_rows[decode] > 0),
+        other_rows=None if score_rows is None else score_rows[others].tolist(),
     )
 
 
@@ -198,6 +210,8 @@ def cpu_token_attention(
     top = scores is not None and scores.aggregate == "max"
     if plan.num_decode:
         mass = _decode_batched(query, key_cache, value_cache, out, plan, scale, top)
+        if plan.decode_counted is not None:  # a one-row chunk of a prefill
+            mass.masked_fill_(~plan.decode_counted[:, None], 0.0)
         masses.append(mass[plan.valid])
     if plan.others:
         key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
@@ -207,17 +221,22 @@ def cpu_token_attention(
             q = query[q0:q1].transpose(0, 1)  # [Hq, Lq, D]
             k = key[k0:k1].transpose(0, 1)  # [H, Lk, D]
             v = value[k0:k1].transpose(0, 1)
-            if scores is None:
-                mask = _causal_mask(q1 - q0, k1 - k0)
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
-                )
-                out[q0:q1] = o.transpose(0, 1)
+            w = None if scores is None else min(scores.query_window or q1 - q0, q1 - q0)
+            if plan.other_rows is not None:  # SnapKV: this request's own count
+                w = plan.other_rows[i]
+            if not w:  # no scores, or a chunk before the prompt's last queries
+                if scores is None or plan.other_write[i]:
+                    mask = _causal_mask(q1 - q0, k1 - k0)
+                    o = F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+                    )
+                    out[q0:q1] = o.transpose(0, 1)
+                if scores is not None:
+                    masses.append(torch.zeros(k1 - k0))
                 continue
             # Output and masses by query tiles: no [Hq, Lq, Lk] probabilities.
             # SnapKV ("window" scores): only the last rows' attention counts,
             # and a score-only read computes nothing else: O(window x Lk).
-            w = min(scores.query_window or q1 - q0, q1 - q0)
             if plan.other_write[i]:
                 o = out[q0:q1].transpose(0, 1)  # written in place, per tile
                 per_head = tiled_attention(q, k, v, scale, mass_rows=w, out=o)

@@ -127,8 +127,9 @@ def attention_mass_tiled(
 class ScorePlan:
     """One step's scoring on TRITON_ATTN, shared by every layer.
 
-    The counted query rows of each request (its last `query_window` rows, or
-    all) cut into tiles of `block_q` rows; a tile belongs to one request.
+    The counted query rows of each request (its last `query_window` rows, a
+    number or one per request, or all) cut into tiles of `block_q` rows; a
+    tile belongs to one request.
     `tiles` [4, num_tiles] int32 holds per tile its first query row, the end
     of its request's query rows, and the start and number of the request's
     keys in `kv_slots`. `positions` is arange(num_keys), the masses' index
@@ -140,14 +141,14 @@ class ScorePlan:
     kv_slots: torch.Tensor  # [K] int64, the step's TokenRead.kv_slots
     positions: torch.Tensor  # [K] int64
     block_q: int
-    query_window: int | None
+    query_window: int | np.ndarray | None
 
 
 def build_score_plan(
     query_start_loc: np.ndarray,
     kv_indptr: np.ndarray,
     kv_slots: torch.Tensor,
-    query_window: int | None,
+    query_window: int | np.ndarray | None,
     block_q: int | None = None,
 ) -> ScorePlan:
     """The tile map of one step's scoring (a fixed number of NumPy calls).
@@ -157,7 +158,8 @@ def build_score_plan(
         kv_indptr: [R + 1] int, request r's keys in `kv_slots` (logical order,
             the step's queries last).
         kv_slots: [K] int64 on the KV cache's device.
-        query_window: Only the last rows of each request count (SnapKV).
+        query_window: Only the last rows of each request count (SnapKV): as
+            many as this, or int [R] as many as its entry (0: none).
         block_q: Query rows per tile; default 1 when no request counts more
             than one row (decode), else GPU_BLOCK_Q.
 
@@ -180,7 +182,7 @@ def build_score_plan(
 def score_tiles(
     query_start_loc: np.ndarray,
     kv_indptr: np.ndarray,
-    query_window: int | None,
+    query_window: int | np.ndarray | None,
     block_q: int | None = None,
 ) -> tuple[np.ndarray, int]:
     """`build_score_plan`'s host part: (tiles int32 [4, num_tiles], block_q)."""

@@ -221,3 +221,21 @@ class ScoreAccumulator:
         """Forgets a request's scores (finished, or preempted: they restart)."""
         if req_id in self._acc.index:
             self._acc.remove(req_id)
+
+
+def window_rows(
+    window: int, num_tokens: np.ndarray, computed: np.ndarray, counts: np.ndarray
+) -> np.ndarray:
+    """int64 [R]: the step's query rows whose attention counts toward
+    "window" scores (SnapKV), per request of `num_tokens` tokens that computes
+    `counts` from `computed`: its last ones within the final `window`
+    positions of the prefill, so that a prompt prefilled in chunks is scored
+    by its last queries only, as in one chunk; a decode step's rows (up to
+    `window`)::
+
+        prompt of 100 tokens, window 32: chunks [0, 60) [60, 90) [90, 100)
+        counted rows                               0        22        10
+    """
+    end = np.asarray(computed, np.int64) + counts
+    late = end - np.asarray(num_tokens, np.int64) + window  # rows past T - window
+    return np.clip(np.minimum(counts, late), 0, window)

@@ -82,14 +82,15 @@ def triton_forward(
     if read.scores is None:
         return
     score = plan.score
+    rows = getattr(read, "score_rows", None)
+    rows = read.scores.query_window if rows is None else rows
     if score is None:  # a plan built without `scored`: the tile map per layer
         score = build_score_plan(
-            read.query_start_loc,
-            read.kv_indptr,
-            read.kv_slots,
-            read.scores.query_window,
+            read.query_start_loc, read.kv_indptr, read.kv_slots, rows
         )
-    assert score.query_window == read.scores.query_window, "plan's window differs"
+    assert score.query_window is rows or np.array_equal(score.query_window, rows), (
+        "the plan counts other query rows than the read"
+    )
     if score.num_tiles:
         mass = triton_attention_mass(
             query, kv_cache, score, scale, read.scores.aggregate

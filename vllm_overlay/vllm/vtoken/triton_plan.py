@@ -47,7 +47,7 @@ def build_triton_read_plan(
     write: np.ndarray | None = None,
     *,
     scored: bool = False,
-    score_query_window: int | None = None,
+    score_query_window: int | np.ndarray | None = None,
     stage: HostToDevice | None = None,
 ) -> TritonReadPlan:
     """See `TokenRead` for the arguments. Built on the host, then uploaded in
@@ -60,7 +60,8 @@ def build_triton_read_plan(
     kernel output, which the backend computes for the whole batch first.
     `scored`: the step accumulates scores (`TokenRead.scores` set), so the plan
     carries the `ScorePlan` of every request with keys, counting each one's
-    last `score_query_window` query rows (SnapKV), or all of them.
+    last `score_query_window` query rows (SnapKV; a number, or one per
+    request), or all of them.
     """
     if isinstance(kv_slots, torch.Tensor):
         stage = stage or HostToDevice(kv_slots.device)

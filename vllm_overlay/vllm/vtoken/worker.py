@@ -37,7 +37,7 @@ from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.ranks import Acks, RankGroups
 from vllm.vtoken.request_args import request_eviction
-from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.scores import ScoreAccumulator, window_rows
 from vllm.vtoken.staging import HostToDevice
 from vllm.vtoken.stats import VTokenCounters, timed
 from vllm.vtoken.token_table import TokenTablePool
@@ -229,13 +229,25 @@ class VTokenWorker:
         num_keys[read] = np.bincount(seg, minlength=read.size)
         kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_keys, out=kv_indptr[1:])
+        score_rows = None
         if self.scores is not None:
             self.scores.begin_step(kv_np.size)
             self._read_keys = (list(rids), idx)
+            if self.scores.query_window is not None:
+                total = input_batch.num_tokens_no_spec[:num_reqs]
+                score_rows = window_rows(
+                    self.scores.query_window, total, computed, counts
+                )
         if self._device.type == "cpu":
             kv_slots = torch.from_numpy(kv_np)
             plan = build_cpu_read_plan(
-                qsl, kv_indptr, kv_np, B, self._num_kv_heads, write=writes
+                qsl,
+                kv_indptr,
+                kv_np,
+                B,
+                self._num_kv_heads,
+                write=writes,
+                score_rows=score_rows,
             )
         else:
             from vllm.vtoken.triton_plan import build_triton_read_plan
@@ -248,7 +260,7 @@ class VTokenWorker:
                 B,
                 writes,
                 scored=scores is not None,
-                score_query_window=None if scores is None else scores.query_window,
+                score_query_window=score_rows,
                 stage=self._stage,
             )
             kv_slots = plan.kv_slots
@@ -259,6 +271,7 @@ class VTokenWorker:
             plan=plan,
             scores=self.scores,
             with_stock=not writes.all(),
+            score_rows=score_rows,
         )
         set_token_read(self._read)
 
