@@ -31,6 +31,8 @@ def setup(
     blocks=16,
     policy="streamingllm",
     knobs=None,
+    budget=6,
+    threshold=1.0,
 ):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -58,14 +60,14 @@ def setup(
     )
     cfg = VTokenConfig(
         kv_eviction_policy=policy,
-        kv_budget_tokens=6,
+        kv_budget_tokens=budget,
         kv_eviction_config=knobs
         if knobs is not None
         else {"num_sinks": 1}
         if policy == "streamingllm"
         else {},
         kv_reclaim=reclaim,
-        kv_reclaim_threshold=1.0,
+        kv_reclaim_threshold=threshold,
     )
     hasher = None
     if caching:
@@ -398,6 +400,23 @@ def test_a_tight_pool_still_evacuates_when_no_fresh_block_is_needed():
     assert vt.counters.tight_plans == 0 and vt.counters.evacuated_blocks == 3
     assert b2.block_hash is not None and b2.ref_cnt == 0  # freed, still cached
     assert kv.block_pool.get_num_free_blocks() == 1  # b2
+    kv.free(other)
+
+
+def test_a_tight_pool_takes_the_plan_in_place_when_it_frees_more():
+    """Budget 8 and threshold 0.5: tokens 1..4 die, b0 keeps token 0 (a
+    candidate), b1 tokens 5..7 (not one). Around the cache, b0 would need a
+    fresh block and free none net: no plan. With no block to spare memory
+    comes first: in place, token 0 goes into b1's hole and b0 is freed."""
+    kv, vt, req = setup("vtoken", caching=True, blocks=8, budget=8, threshold=0.5)
+    step(kv, vt, req, 12, running=[])
+    b0, b1, _ = kv.get_block_ids("A")[0]
+    other = hold_blocks(kv, kv.block_pool.get_num_free_blocks() - 1)
+    out = step(kv, vt, req, 1, running=[req])
+    assert out.dead["A"].tolist() == [1, 2, 3, 4]
+    assert out.moves.idx.tolist() == [0] and out.moves.dst_slots.tolist() == [b1 * B]
+    assert vt.counters.tight_plans == 1
+    assert kv.get_block_ids("A")[0][:2] == [0, b1]  # b0 freed
     kv.free(other)
 
 

@@ -339,3 +339,48 @@ def test_a_broken_plugin_entry_point_is_named(monkeypatch):
         create_policy("other", 8)
     declare("oldest", "vtoken_oldest:OldestFirstPolicy")  # registered already
     assert create_policy("oldest", 8).name == "oldest"
+
+
+def test_a_plugin_cannot_take_or_break_a_registered_name(monkeypatch):
+    """A plug-in named like a built-in policy, or whose module registered it
+    and then failed, leaves the registry as it was: `import vllm` goes on,
+    the built-in keeps its name, and the failed one is refused when chosen."""
+    import importlib.metadata as md
+    import sys
+    import types
+
+    import vllm.vtoken.policies as policies
+
+    H2O = policies.POLICIES["h2o"]
+
+    class Rival(H2O):
+        name = "h2o"
+
+    class Half(H2O):
+        name = "half"
+
+    def half_then_fail():
+        policies.register_policy(Half)
+        raise ImportError("half-imported")
+
+    mod = types.ModuleType("rival_plugin")
+    mod.Rival, mod.half = Rival, half_then_fail
+    monkeypatch.setitem(sys.modules, "rival_plugin", mod)
+    monkeypatch.setattr(policies, "BROKEN", {})
+    eps = [
+        md.EntryPoint("h2o", "rival_plugin:Rival", policies.ENTRY_POINT_GROUP),
+        md.EntryPoint("half", "rival_plugin:half", policies.ENTRY_POINT_GROUP),
+    ]
+    monkeypatch.setattr(md, "entry_points", lambda group: eps)
+    # `half` is loaded by calling it (a module-level side effect, as an import's).
+    monkeypatch.setattr(md.EntryPoint, "load", lambda ep: _load(ep, mod))
+    policies._register_plugins()
+    assert type(create_policy("h2o", 8)) is H2O and "h2o" not in policies.BROKEN
+    assert "half" not in policies.POLICIES
+    with pytest.raises(ValueError, match="'half' is unavailable: .*half-imported"):
+        create_policy("half", 8)
+
+
+def _load(ep, mod):
+    obj = getattr(mod, ep.value.split(":")[1])
+    return obj() if ep.name == "half" else obj

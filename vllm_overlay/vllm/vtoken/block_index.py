@@ -95,7 +95,8 @@ class BlockIndex:
         return sorted(i for i, _ in found)
 
     def replace(self, rid: str, entry: int, block: KVCacheBlock) -> None:
-        """Entry `entry` of `rid`'s list becomes `block` (null or fresh)."""
+        """Entry `entry` of `rid`'s list becomes `block` (null, fresh, or the
+        evacuated source an undone evacuation puts back)."""
         index, blocks = self.get(rid), self._lists[rid]
         del index.at[blocks[entry].block_id]
         blocks[entry] = block

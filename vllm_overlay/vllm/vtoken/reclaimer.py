@@ -219,7 +219,8 @@ class BlockReclaimer:
         Blocks the prefix cache can serve are evacuated into fresh blocks
         rather than written, while the pool has the fresh blocks to spare;
         otherwise memory comes first and they are destinations too, the end of
-        their hash chain first (docs/DESIGN.md §3.3).
+        their hash chain first, unless the evacuation takes no fresh block and
+        frees as many (docs/DESIGN.md §3.3).
         """
         B, pool = self.block_size, self.pool
         due = [r for r in due if r in reqs and r in requests and r in scheduled]
@@ -278,19 +279,23 @@ class BlockReclaimer:
             block_size=B,
             threshold=self.threshold,
         )
+        # Uncached holes first, then cached ones from the chain's end.
+        prio = np.where(is_cached, 1 + pos.max(initial=0) - pos, 0)
         plan = None
         if is_cached.any():
             plan = plan_around_cache(cached=is_cached, **common)
             # Fresh blocks come back as sources within a step or two; keep one
-            # block per scheduled request for the next step's tokens. A plan
-            # that takes none runs however full the pool is.
+            # block per scheduled request for the next step's tokens. With
+            # none to spare, memory comes first: the plan in place, unless the
+            # one around the cache takes no fresh block and frees as many.
             spare = self.block_pool.get_num_free_blocks() - len(scheduled)
-            if 0 < int(plan.num_fresh.sum()) > spare:
-                plan = None
-                self.counters.tight_plans += 1
+            need = int(plan.num_fresh.sum())
+            if spare < 0 or need > spare:
+                in_place = plan_blocks(dst_priority=prio, **common)
+                if need > max(spare, 0) or in_place.blocks_freed > plan.blocks_freed:
+                    plan = in_place
+                    self.counters.tight_plans += 1
         if plan is None:
-            # Uncached holes first, then cached ones from the chain's end.
-            prio = np.where(is_cached, 1 + pos.max(initial=0) - pos, 0)
             plan = plan_blocks(dst_priority=prio, **common)
         if len(plan.req_index) == 0:
             return None

@@ -22,9 +22,11 @@ zero when it first appears.
                                        (rows of an arena.RowArena):
 
     "sum"          acc += mass / (num_layers * num_heads)         (H2O)
-    "window"       the same, but a step's mass comes from its last
-                   `query_window` query rows only: a prefill scores the
-                   prompt by its observation window (SnapKV)
+    "window"       the same, but a step's mass comes from each request's
+                   rows inside its prefill's last `query_window` positions
+                   (`window_rows`, whatever the chunks; a decode step's row):
+                   a prefill scores the prompt by its observation window
+                   (SnapKV)
     "persistence"  imp = 1 if mass / (norm * num_queries) >= 1 / num_keys
                    (the token was important this step; Scissorhands), then
                    acc += (imp - acc) / window: the moving average of imp
@@ -62,13 +64,14 @@ class ScoreAccumulator:
     ) -> None:
         """
         Args:
-            mode: "sum" (accumulated attention mass) or "persistence" (how
-                often the token was important).
+            mode: "sum" (accumulated attention mass), "persistence" (how
+                often the token was important) or "window" (SnapKV's).
             device: Where the step buffer lives (the KV cache's device).
             window: "persistence": average importance over this many steps
                 (>= 1); None counts the steps.
             aggregate: "mean" or "max" over layers and query heads (above).
-            query_window: "window": the query rows per step that count (>= 1).
+            query_window: "window": the prefill's last query rows that count
+                (>= 1); the worker counts each step's with `window_rows`.
         """
         assert mode in SCORE_MODES and aggregate in ("mean", "max"), (mode, aggregate)
         assert window is None or (mode == "persistence" and window >= 1), window

@@ -22,13 +22,14 @@ scheduler's, so with several workers nothing but those messages is shared.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import lookup, ranges
+from vllm.vtoken.arena import attrs, lookup, ranges, values
 from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, read_keys, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
     from vllm.v1.worker.utils import AttentionGroup
+
+_NUM_TOKENS = attrgetter("num_tokens")  # CachedRequestState: prompt + outputs
 
 
 def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
@@ -234,7 +237,9 @@ class VTokenWorker:
             self.scores.begin_step(kv_np.size)
             self._read_keys = (list(rids), idx)
             if self.scores.query_window is not None:
-                total = input_batch.num_tokens_no_spec[:num_reqs]
+                # Prompt and outputs so far: the same on every PP rank (a
+                # non-last rank's num_tokens_no_spec is the chunk's end).
+                total = attrs(values(requests, rids), _NUM_TOKENS)
                 score_rows = window_rows(
                     self.scores.query_window, total, computed, counts
                 )

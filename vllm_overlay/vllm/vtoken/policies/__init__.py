@@ -56,15 +56,22 @@ def _load_plugin(ep: importlib.metadata.EntryPoint) -> type[EvictionPolicy]:
 
 def _register_plugins() -> None:
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        before = POLICIES.get(ep.name)
         try:
             cls = _load_plugin(ep)
+            if POLICIES.get(ep.name) is not cls:  # its module may register it too
+                register_policy(cls)  # a name taken already: ValueError
         except ValueError as e:
-            BROKEN[ep.name] = str(e)
+            # Left as it was (a module may have registered, then failed); a
+            # name another policy holds keeps that one.
+            POLICIES.pop(ep.name, None)
+            if before is not None:
+                POLICIES[ep.name] = before
+            else:
+                BROKEN[ep.name] = str(e)
             logger.warning("vToken: policy %r is unavailable: %s", ep.name, e)
             continue
         BROKEN.pop(ep.name, None)
-        if POLICIES.get(ep.name) is not cls:  # its module may register it too
-            register_policy(cls)
 
 
 _register_plugins()

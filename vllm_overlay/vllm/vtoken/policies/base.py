@@ -181,7 +181,8 @@ class EvictionPolicy(ABC):
                     f"{self.name}: {attr} is for score_mode {mode_of_attr!r}, "
                     f"not {mode!r}"
                 )
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            integral = isinstance(value, int | np.integer)
+            if isinstance(value, bool) or not integral or value < 1:
                 raise ValueError(
                     f"{self.name}: {attr} must be an integer >= 1, got {value!r}"
                 )
