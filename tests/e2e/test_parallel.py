@@ -55,7 +55,7 @@ def wave(policy: str) -> dict:
     }
 
 
-def run(model: str, policy: str, reclaim: str, tp=1, pp=1, waves=None) -> list:
+def run(model: str, policy: str, reclaim: str, tp=1, pp=1, waves=None, **extra) -> list:
     engine = {
         "model": model,
         "load_format": "dummy",
@@ -68,6 +68,7 @@ def run(model: str, policy: str, reclaim: str, tp=1, pp=1, waves=None) -> list:
         "kv_budget_tokens": BUDGET,
         "kv_reclaim": reclaim,
         "kv_eviction_config": {"seed": 7},
+        **extra,
     }
     out = run_engine({"engine": engine, "waves": [wave(p) for p in waves or [policy]]})
     assert out["pool_live_end"] == 0
@@ -136,6 +137,19 @@ def test_score_policies_of_their_own_at_tp2(tiny_llama, policy):
     assert any(vtoken["dead"].values()) and vtoken["free_end"] == vtoken["free_start"]
     assert vtoken["dead"] == one["dead"]
     check_same_scores(one, vtoken)
+
+
+def test_snapkv_chunked_prefill_at_pp2_scores_as_one_chunk_on_one_rank(tiny_llama):
+    """Chunks of 32 at PP=2: each stage counts the same rows of each chunk (the
+    prompt's last window), though a non-last stage's input batch knows only
+    the chunk's end, so the same tokens die as with the whole prompt in one
+    step on one rank."""
+    one = run(tiny_llama, "snapkv", "vtoken")[0]
+    chunked = run(
+        tiny_llama, "snapkv", "vtoken", pp=2, max_num_batched_tokens=32, max_num_seqs=4
+    )[0]
+    assert any(chunked["dead"].values())
+    assert chunked["dead"] == one["dead"]
 
 
 def per_engine(text: str, name: str) -> dict[str, float]:
