@@ -82,8 +82,7 @@ def triton_forward(
     if read.scores is None:
         return
     score = plan.score
-    rows = getattr(read, "score_rows", None)
-    rows = read.scores.query_window if rows is None else rows
+    rows = read.scores.query_window if read.score_rows is None else read.score_rows
     if score is None:  # a plan built without `scored`: the tile map per layer
         score = build_score_plan(
             read.query_start_loc, read.kv_indptr, read.kv_slots, rows
