@@ -46,8 +46,20 @@ def memory_section(d: dict, img: str) -> list[str]:
         "| planner % of time | copy KiB/step | step ms |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    before = any("before_step_ms" in f for f in r.values())
+    if before:  # --baseline: the same runs on the older overlay, taking turns
+        out[-2] += " step ms before | now / before |"
+        out[-1] += "---:|---:|"
     for key, f in r.items():
         policy, mode = key.split("/")
+        old = f.get("before_step_ms")
+        tail = (
+            f" {old:.0f} | {f['step_ms'] / old:.2f} |"
+            if old
+            else " - | - |"
+            if before
+            else ""
+        )
         out.append(
             f"| {policy} | {'native' if mode == '-' else mode} "
             f"| {f['utilization']:.3f} | {f['perfect_packing']:.3f} "
@@ -56,7 +68,7 @@ def memory_section(d: dict, img: str) -> list[str]:
             f"| {f['planner_us_per_call']:.0f} "
             f"| {100 * f['planner_share']:.2f} "
             f"| {f['copy_bytes_per_step'] / 1024:.0f} "
-            f"| {f['step_ms']:.0f} |"
+            f"| {f['step_ms']:.0f} |" + tail
         )
     gains, to_perfect, cut = [], [], []  # vtoken against naive, per policy
     for p in policies:

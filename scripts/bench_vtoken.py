@@ -122,7 +122,11 @@ def cmd_memory(args) -> dict:
     results = {}
     for policy, reclaim in runs:
         eng = engine_args(args, **policy_args(policy, args.budget, reclaim))
-        fig = memory_figures(run_driver({"engine": eng, "histogram": True, **wave}))
+        spec = {"engine": eng, "histogram": True, **wave}
+        fig = memory_figures(run_driver(spec))
+        if args.baseline and reclaim != "-":  # the older overlay, next
+            old = run_driver(spec, env=versions(args)["before"])
+            fig["before_step_ms"] = memory_figures(old)["step_ms"]
         results[f"{policy}/{reclaim}"] = fig
         print(
             f"memory {policy:12s} {reclaim:6s} util {fig['utilization']:.3f} "
@@ -683,7 +687,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--baseline",
         type=pathlib.Path,
-        help="scale, history, arrivals: also time this site folder's overlay (an older "
+        help="memory, scale, history, arrivals: also time this site folder's overlay (an older "
         "series applied to a copy of vLLM; docs/DEVELOPING.md)",
     )
     return p.parse_args()
