@@ -34,11 +34,6 @@ class RecordingScores:
         self.calls.append((pos.clone(), mass.clone()))
 
 
-def cpu_isa(block):
-    """The CPU page layout vLLM picks for a block size (head_dim 32, no AMX)."""
-    return "vec16" if block % 32 else "vec"
-
-
 def make_batch(
     seed,
     *,
@@ -60,7 +55,7 @@ def make_batch(
     """
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    isa = cpu_isa(block)
+    isa = "vec16" if block % 32 else "vec"
     kv = torch.zeros(2, num_blocks, heads, block, head_dim, dtype=dtype)
     key_cache, value_cache = kv.unbind(0)
     free = rng.permutation(num_blocks * block)
@@ -108,11 +103,10 @@ def cpu_read(
     scores=None,
 ):
     """One layer's read as the worker sets it up: plan, then attention."""
-    block = key_cache.shape[2]
-    plan = build_cpu_read_plan(query_start_loc, kv_indptr, kv_slots, block)
-    cpu_token_attention(
-        query, key_cache, value_cache, out, plan, scale, cpu_isa(block), scores
+    plan = build_cpu_read_plan(
+        query_start_loc, kv_indptr, kv_slots, key_cache.shape[2], key_cache.shape[1]
     )
+    cpu_token_attention(query, key_cache, value_cache, out, plan, scale, scores)
 
 
 def run_cpu(b, scores=None, kv_slots=None):
@@ -406,8 +400,8 @@ _INTERP_CHILD = """
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = torch.randn(int(qsl[-1]), Hq, D, generator=gen)
     want = torch.zeros_like(q)
-    plan = build_cpu_read_plan(qsl, indptr, slots, B)
-    cpu_token_attention(q, kc, vc, want, plan, D ** -0.5, "vec16")
+    plan = build_cpu_read_plan(qsl, indptr, slots, B, H)
+    cpu_token_attention(q, kc, vc, want, plan, D ** -0.5)
     table, live_lens = build_token_table(indptr, slots, B, 64)
     got = torch.zeros_like(q)
     triton_token_attention(q, tri, got, query_start_loc=torch.from_numpy(qsl),
@@ -534,14 +528,14 @@ def test_one_plan_serves_every_layer():
     """The worker builds the plan once per step; each layer reads through it."""
     b = make_batch(11, **SHAPES["mixed"])
     plan = build_cpu_read_plan(
-        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"]
+        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
     )
     assert plan.num_decode and plan.others  # both paths exercised
     outs = []
     for _ in range(2):
         out = torch.full_like(b["query"], float("nan"))
         cpu_token_attention(
-            b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"], "vec16"
+            b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"]
         )
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
@@ -554,12 +548,12 @@ def test_per_request_window_rows_count_only_those_rows():
     request's one row included). Outputs are unchanged; a request's masses
     are those of a read counting as many rows of it, zero for none."""
     b = make_batch(6, **SHAPES["mixed"])  # requests 0, 2 decode; 1, 3 prefill
-    args = (b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"])
+    args = (b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2)
     rows = np.array([0, 3, 1, 0])
     plan = build_cpu_read_plan(*args, score_rows=rows)
     out, rec = torch.zeros_like(b["query"]), RecordingScores(query_window=99)
     cpu_token_attention(
-        b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"], "vec16", rec
+        b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"], rec
     )
     torch.testing.assert_close(out, reference(b), atol=1e-5, rtol=1e-5)
     pos, mass = rec.calls[0]
@@ -584,12 +578,12 @@ def test_score_only_requests_keep_the_rows_vllm_wrote(window):
     b = make_batch(6, **SHAPES["mixed"])  # requests 0, 2 decode; 1, 3 prefill
     write = np.array([True, False, False, True])
     plan = build_cpu_read_plan(
-        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], write
+        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2, write
     )
     out = torch.full_like(b["query"], 7.0)
     rec = RecordingScores(query_window=window)
     cpu_token_attention(
-        b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"], "vec16", rec
+        b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"], rec
     )
     qsl, want = b["query_start_loc"], reference(b)
     for r, w in enumerate(write):

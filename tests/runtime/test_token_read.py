@@ -48,7 +48,7 @@ _CHILD = (
         scores = ScoreAccumulator("sum")
         scores.begin_step(len(slots))
         if forward == "cpu":
-            plan = build_cpu_read_plan(qsl, indptr, slots, B)
+            plan = build_cpu_read_plan(qsl, indptr, slots, B, H)
         else:
             plan = build_triton_read_plan(qsl, indptr, slots, B)
         read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
@@ -56,7 +56,7 @@ _CHILD = (
         out = torch.zeros(len(q), Hq * D)
         for _layer in range(2):  # every layer reads through the one plan
             if forward == "cpu":
-                cpu_forward(read, q, cpu[0], cpu[1], out, D ** -0.5, "vec16")
+                cpu_forward(read, q, cpu[0], cpu[1], out, D ** -0.5)
             else:
                 triton_forward(read, q, tri, out, D ** -0.5)
         fold(scores, indptr, qsl, 2.0 * Hq)

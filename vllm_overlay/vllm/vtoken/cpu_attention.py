@@ -13,25 +13,16 @@ The causal mask is bottom-right in live-index space: query i of Lq sees keys
 `[0, Lk - Lq + i]`. RoPE positions stay logical; only the read changes.
 
 Worker side, ISA vec/vec16 (the GPU read is triton_attention.py). Decode
-requests (one query each) are read by vLLM's own CPU kernel: their live keys
-are copied, in logical order, into pages of a per-step scratch cache
-(`read_kernels.gather_pages`, one compiled loop a layer), and
-`cpu_attention_with_kv_cache` runs over those pages as over any paged cache::
-
-    cache   blk 7: [a0 .  a2 b0]  blk 9: [a5 b3 .  a7]     (. dead)
-    pages   page 0: [a0 a2 a5 a7]  page 1: [b0 b3 .  . ]   seq_lens [4, 2]
-
-Their masses (policies that score) come from the same pages, in fp32. The
-other requests (prefills) run SDPA per request or, when scores are wanted, by
-query tiles (`score_kernel.tiled_attention`: output and masses per tile, no
-[Hq, Lq, Lk] probabilities). The index tensors are built once per step by the
-worker (`build_cpu_read_plan`) and shared by every layer, as are the scratch
-pages.
+requests (one query each) run as one padded batch, K/V gathered straight into
+the matmul layout; the others (prefills) with SDPA per request or, when scores
+are wanted, by query tiles (`score_kernel.tiled_attention`: output and masses
+per tile, no [Hq, Lq, Lk] probabilities). The index tensors are built once per
+step by the worker (`build_cpu_read_plan`) and shared by every layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,26 +66,24 @@ def _causal_mask(num_q: int, num_k: int) -> torch.Tensor | None:
 class CpuReadPlan:
     """Index tensors of one step's CPU read, built once and shared by every layer.
 
-    Decode requests (one query each) are read from scratch pages: request i's
-    keys, `slots[first[i]:first[i] + num_keys[i]]` (numpy, for the compiled
-    gather), go to pages `page_table[i]` (`[R, P]`, P pages each) in logical
-    order; `valid` masks the padding past them. Requests with several queries (prefills) read `other_slots`: request
-    `others[i]` has query rows `other_q[i]` and keys `[other_loc[i],
-    other_loc[i + 1])` of it. `score_pos` lists every key read (its position in
-    `kv_slots`), in the order the masses are concatenated. A request whose
-    output vLLM's kernel already wrote (`decode_write` / `other_write` False)
-    is read for its attention masses only. `scratch` holds the step's pages and
-    the stock kernel's schedule once the first layer made them.
+    Decode requests (one query each) form a padded batch: `blk`/`off` `[R, W]`
+    address each request's live keys (padding repeats a valid slot and is
+    masked by `valid`); `v_rows` `[R * H * W]` are the same keys as rows of the
+    value cache viewed `[N * H * B, D]`, one per KV head. Requests with several
+    queries (prefills) read `other_slots`: request `others[i]` has query rows
+    `other_q[i]` and keys `[other_loc[i], other_loc[i + 1])` of it. `score_pos`
+    lists every key read (its position in `kv_slots`), in the order the masses
+    are concatenated. A request whose output vLLM's kernel already wrote
+    (`decode_write` / `other_write` False) is read for its attention masses
+    only.
     """
 
     num_decode: int
     q_rows: torch.Tensor  # [R] int64: query row of each decode request
-    slots: np.ndarray  # [S] int64: kv_slots
-    first: np.ndarray  # [R] int64
-    num_keys: np.ndarray  # [R] int64
-    seq_lens: torch.Tensor  # [R] int32: num_keys, for the stock kernel
-    page_table: torch.Tensor  # [R, P] int32: scratch pages of each request
-    valid: torch.Tensor  # [R, P * B] bool
+    blk: torch.Tensor  # [R, W] int64
+    off: torch.Tensor  # [R, W] int64
+    v_rows: torch.Tensor  # [R * H * W] int64
+    valid: torch.Tensor  # [R, W] bool
     others: list[int]
     other_q: list[tuple[int, int]]
     other_slots: torch.Tensor  # [S'] int64
@@ -106,7 +95,6 @@ class CpuReadPlan:
     # and each other request's counted last rows (None: scores' window).
     decode_counted: torch.Tensor | None = None  # [R] bool
     other_rows: list[int] | None = None
-    scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def build_cpu_read_plan(
@@ -114,6 +102,7 @@ def build_cpu_read_plan(
     kv_indptr: np.ndarray,
     kv_slots: np.ndarray,
     block_size: int,
+    num_kv_heads: int,
     write: np.ndarray | None = None,
     score_rows: np.ndarray | None = None,
 ) -> CpuReadPlan:
@@ -125,11 +114,14 @@ def build_cpu_read_plan(
         kv_slots: `[S]` int64, per request its live slots in logical order,
             its current query tokens last.
         block_size: B.
+        num_kv_heads: H of the cache.
         write: `[R]` bool, whose output the read writes (default: all).
         score_rows: `[R]` int, per request its last query rows whose
             attention counts toward "window" scores (0: none); default: the
             scores' own window.
     """
+    from vllm.vtoken.read_kernels import decode_index  # numba: vToken on only
+
     q_loc = np.asarray(query_start_loc, dtype=np.int64)
     kv_loc = np.asarray(kv_indptr, dtype=np.int64)
     slots = np.asarray(kv_slots, dtype=np.int64)
@@ -143,9 +135,10 @@ def build_cpu_read_plan(
     )
     decode = np.flatnonzero(read & (num_q == 1))
     others = np.flatnonzero(read & (num_q > 1))
-    # Padded to whole pages: the masses are computed page by page.
-    pages = -(-int(num_k[decode].max()) // block_size) if decode.size else 0
-    valid = np.arange(pages * block_size) < num_k[decode, None]
+    width = int(num_k[decode].max()) if decode.size else 0
+    blk, off, v_rows, valid = decode_index(
+        kv_loc, decode, slots, width, block_shift(block_size), num_kv_heads
+    )
     # Every key read, decode requests' first (row-major over `valid`).
     read_order = np.concatenate([decode, others])
     score_pos = ranges(kv_loc[read_order], num_k[read_order])
@@ -155,13 +148,9 @@ def build_cpu_read_plan(
     return CpuReadPlan(
         num_decode=decode.size,
         q_rows=torch.from_numpy(q_loc[decode]),
-        slots=slots,
-        first=kv_loc[decode],
-        num_keys=num_k[decode],
-        seq_lens=torch.from_numpy(num_k[decode].astype(np.int32)),
-        page_table=torch.arange(decode.size * pages, dtype=torch.int32).view(
-            decode.size, pages
-        ),
+        blk=torch.from_numpy(blk),
+        off=torch.from_numpy(off),
+        v_rows=torch.from_numpy(v_rows),
         valid=torch.from_numpy(valid),
         others=others.tolist(),
         other_q=list(
@@ -186,11 +175,10 @@ def cpu_forward(
     value_cache: torch.Tensor,
     output: torch.Tensor,
     scale: float,
-    isa: str,
 ) -> None:
     """CPU_ATTN's forward with vToken on: the step's read over live tokens."""
     cpu_token_attention(
-        query, key_cache, value_cache, output, read.plan, scale, isa, read.scores
+        query, key_cache, value_cache, output, read.plan, scale, read.scores
     )
 
 
@@ -201,7 +189,6 @@ def cpu_token_attention(
     output: torch.Tensor,
     plan: CpuReadPlan,
     scale: float,
-    isa: str,
     scores: ScoreAccumulator | None = None,
 ) -> None:
     """Causal attention of each request's queries over its live slots (CPU).
@@ -214,8 +201,6 @@ def cpu_token_attention(
             request with at least one query token.
         plan: The step's `build_cpu_read_plan`.
         scale: softmax scale.
-        isa: The cache's CPU attention ISA ("vec" or "vec16"): the scratch
-            pages are read by vLLM's kernel with it.
         scores: When given, `attn_mass[j]` (probabilities summed over query
             heads and query rows) is added once for every key read.
     """
@@ -224,13 +209,10 @@ def cpu_token_attention(
     masses = []
     top = scores is not None and scores.aggregate == "max"
     if plan.num_decode:
-        mass = _decode_batched(
-            query, key_cache, value_cache, out, plan, scale, isa, scores, top
-        )
-        if mass is not None:
-            if plan.decode_counted is not None:  # a one-row chunk of a prefill
-                mass.masked_fill_(~plan.decode_counted[:, None], 0.0)
-            masses.append(mass[plan.valid])
+        mass = _decode_batched(query, key_cache, value_cache, out, plan, scale, top)
+        if plan.decode_counted is not None:  # a one-row chunk of a prefill
+            mass.masked_fill_(~plan.decode_counted[:, None], 0.0)
+        masses.append(mass[plan.valid])
     if plan.others:
         key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
         gqa = num_q_heads != key.shape[1]
@@ -272,120 +254,31 @@ def _decode_batched(
     out: torch.Tensor,
     plan: CpuReadPlan,
     scale: float,
-    isa: str,
-    scores: ScoreAccumulator | None,
-    top: bool,
-) -> torch.Tensor | None:
-    # Requests with one query each, in one batch: their live keys copied into
-    # the step's scratch pages, then vLLM's fused kernel over those pages, a
-    # few calls a layer where a padded torch read took a dozen ops, two of them
-    # advanced-indexing gathers. Returns the mass [R, P * B] (None without
-    # scores), summed over query heads, or the largest one head gave (`top`).
-    from vllm import _custom_ops as ops
-    from vllm.vtoken.read_kernels import gather_pages
-
+    top: bool = False,
+) -> torch.Tensor:
+    # Requests with one query each, in one padded batch: a handful of ops per
+    # layer instead of several per request, which dominate CPU decode steps.
+    # K and V are gathered straight from the cache into the [R, H, W, D] layout
+    # the matmuls want (one copy each; V rows are contiguous, so index_select,
+    # several times faster than advanced indexing). Returns the mass [R, W],
+    # summed over query heads, or the largest one head gave (`top`).
     num_blocks, heads, block, head_dim = key_cache.shape
     num_reqs, num_q_heads = plan.num_decode, query.shape[1]
-    num_pages = plan.page_table.shape[1]
-    key_pages, value_pages = _scratch_pages(plan, key_cache)
-    gather_pages(
-        _bits(key_cache.view(num_blocks, heads, head_dim, block)),
-        _bits(value_cache),
-        plan.slots,
-        plan.first,
-        plan.num_keys,
-        block_shift(block),
-        _bits(key_pages.view(-1, heads, head_dim, block)),
-        _bits(value_pages),
-    )
-    q = query[plan.q_rows]
-    w = plan.decode_write
-    if w is None or bool(w.any()):
-        o = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q,
-            key_cache=key_pages,
-            value_cache=value_pages,
-            output=o,
-            query_start_loc=_decode_query_start_loc(plan),
-            seq_lens=plan.seq_lens,
-            scale=scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=(-1, -1),
-            block_table=plan.page_table,
-            softcap=0.0,
-            scheduler_metadata=_schedule(plan, q, heads, head_dim, isa),
-            s_aux=None,
-        )
-        if w is None:
-            out[plan.q_rows] = o
-        else:  # rows read for their scores only get no output
-            out[plan.q_rows[w]] = o[w]
-    if scores is None:
-        return None
-    # The masses from the same pages in fp32, page by page: logits
-    # [R, P, H, G, B], then one softmax over each request's P * B keys.
-    kf = key_pages.float().view(num_reqs, num_pages, heads, head_dim, block)
-    qf = (q.float() * scale).view(num_reqs, 1, heads, -1, head_dim)
-    logits = torch.matmul(qf, kf).permute(0, 2, 3, 1, 4)
-    logits = logits.reshape(num_reqs, heads, num_q_heads // heads, -1)
+    h = torch.arange(heads)[None, :, None]
+    blk, off = plan.blk[:, None, :], plan.off[:, None, :]
+    k = key_cache.view(num_blocks, heads, head_dim, block)[blk, h, :, off]
+    v = value_cache.view(-1, head_dim).index_select(0, plan.v_rows)
+    v = v.view(num_reqs, heads, -1, head_dim)
+    # GQA: query head h * G + g reads KV head h (h // G, as SDPA's enable_gqa).
+    q = query[plan.q_rows].float().view(num_reqs, heads, -1, head_dim)
+    logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [R, H, G, W]
     logits.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
     probs = logits.softmax(dim=-1)
+    rows, w = plan.q_rows, plan.decode_write
+    if w is not None:  # rows read for their scores only get no output
+        rows, probs_w, v = rows[w], probs[w], v[w]
+    else:
+        probs_w = probs
+    o = torch.matmul(probs_w, v.float())  # [R', H, G, D]
+    out[rows] = o.reshape(len(rows), num_q_heads, head_dim).to(out.dtype)
     return probs.amax(dim=(1, 2)) if top else probs.sum(dim=(1, 2))
-
-
-def _bits(t: torch.Tensor) -> np.ndarray:
-    # The raw bits of a 2- or 4-byte tensor, as the compiled gather takes them.
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy()
-
-
-def _scratch_pages(
-    plan: CpuReadPlan, key_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # One pair of scratch caches a step, rewritten by every layer. Zeroed:
-    # vLLM's kernel reads a request's last page whole (its tail weighted 0,
-    # which NaN bits would survive) and the masses mask padding keys' logits.
-    _, heads, block, head_dim = key_cache.shape
-    shape = (plan.page_table.numel(), heads, block, head_dim)
-    pages = plan.scratch.get("pages")
-    if pages is None or pages[0].shape != shape or pages[0].dtype != key_cache.dtype:
-        pages = (
-            torch.zeros(shape, dtype=key_cache.dtype),
-            torch.zeros(shape, dtype=key_cache.dtype),
-        )
-        plan.scratch["pages"] = pages
-    return pages
-
-
-def _decode_query_start_loc(plan: CpuReadPlan) -> torch.Tensor:
-    qsl = plan.scratch.get("qsl")
-    if qsl is None:
-        qsl = plan.scratch["qsl"] = torch.arange(plan.num_decode + 1, dtype=torch.int32)
-    return qsl
-
-
-def _schedule(
-    plan: CpuReadPlan, q: torch.Tensor, heads: int, head_dim: int, isa: str
-) -> torch.Tensor:
-    # vLLM's work split of the decode batch over threads: the same for every
-    # layer of the step, so computed once.
-    from vllm import _custom_ops as ops
-
-    key = ("schedule", q.shape[1], heads, head_dim, q.dtype, isa)
-    meta = plan.scratch.get(key)
-    if meta is None:
-        meta = plan.scratch[key] = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=plan.num_decode,
-            num_heads=q.shape[1],
-            num_kv_heads=heads,
-            head_dim=head_dim,
-            seq_lens=plan.seq_lens,
-            dtype=q.dtype,
-            query_start_loc=_decode_query_start_loc(plan),
-            causal=True,
-            sliding_window_size=-1,
-            isa=isa,
-            enable_kv_split=True,
-        )
-    return meta

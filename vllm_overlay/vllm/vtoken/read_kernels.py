@@ -1,52 +1,46 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compiled loop of the CPU decode read (numba).
+"""Compiled loop of the CPU read plan's per-step index build (numba).
 
-Worker side (cpu_attention.py), once a layer: the decode requests' live keys
-copied into the scratch pages vLLM's kernel then reads, in one pass, where
-two advanced-indexing gathers took several times as long. Imported only with
+Worker side, once a step (cpu_attention.build_cpu_read_plan): the padded
+decode batch's addresses, built in one pass over its keys instead of a dozen
+torch/NumPy passes over [R, W] and [R, H, W] temporaries. Imported only with
 vToken on; compiled at import, as table_kernels.py is.
 """
 
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 _i64 = numba.int64[::1]
-_pages_sigs = [
-    numba.void(
-        numba.types.Array(t, 4, "C", readonly=True),
-        numba.types.Array(t, 4, "C", readonly=True),
-        _i64,
-        _i64,
-        _i64,
-        numba.int64,
-        numba.types.Array(t, 4, "C"),
-        numba.types.Array(t, 4, "C"),
-    )
-    for t in (numba.int16, numba.int32)  # the bits of 2- and 4-byte dtypes
-]
+_i64_2d, _b1_2d = numba.int64[:, ::1], numba.boolean[:, ::1]
 
 
-@numba.njit(_pages_sigs, cache=True, nogil=True)
-def gather_pages(key_bits, value_bits, slots, first, num_keys, shift, key_pages, value_pages):
-    """Copies each decode request's live keys into pages of its own, in
-    logical order: request i's key w (slot slots[first[i] + w], w <
-    num_keys[i]) goes to page i * P + w // B, offset w % B, with P pages per
-    request and B = 1 << shift slots a page, as a cache block. Both caches in
-    the CPU vec/vec16 layout, as raw bits: K `[N, H, D, B]` (each (block,
-    head) page stored [D, B]), V `[N, H, B, D]`; the pages likewise, `[R * P,
-    H, D, B]` and `[R * P, H, B, D]`. A key's place in the pages is its
-    logical one, not its slot, so a compaction move leaves the pages, and the
-    kernel's output over them, bit-identical."""
-    H, D, B = key_bits.shape[1], key_bits.shape[2], 1 << shift
-    P = key_pages.shape[0] // max(first.size, 1)
-    for i in range(first.size):
-        for w in range(num_keys[i]):  # a key's K column lies in one page
-            s = slots[first[i] + w]
-            b, o = s >> shift, s & (B - 1)
-            p, t = i * P + (w >> shift), w & (B - 1)
+@numba.njit(
+    numba.types.Tuple((_i64_2d, _i64_2d, _i64, _b1_2d))(
+        _i64, _i64, _i64, numba.int64, numba.int64, numba.int64
+    ),
+    cache=True,
+    nogil=True,
+)
+def decode_index(kv_loc, decode, kv_slots, width, shift, num_kv_heads):
+    """(blk, off, v_rows, valid) of the decode requests, padded to `width`
+    keys: request i's keys are kv_slots[kv_loc[d]:kv_loc[d + 1]], d =
+    decode[i]; padding repeats kv_slots[0] and is False in `valid`. v_rows
+    [R * H * W]: the same keys as rows of the value cache viewed [N * H * B, D].
+    Blocks of 1 << shift slots (arena.block_shift)."""
+    R, H, block_size = decode.size, num_kv_heads, 1 << shift
+    blk, off = np.empty((R, width), np.int64), np.empty((R, width), np.int64)
+    valid = np.empty((R, width), np.bool_)
+    v_rows = np.empty(R * H * width, np.int64)
+    for i in range(R):
+        lo, hi = kv_loc[decode[i]], kv_loc[decode[i] + 1]
+        for w in range(width):
+            ok = lo + w < hi
+            s = kv_slots[lo + w] if ok else kv_slots[0]
+            b = s >> shift
+            o = s & (block_size - 1)
+            blk[i, w], off[i, w], valid[i, w] = b, o, ok
             for h in range(H):
-                for d in range(D):
-                    key_pages[p, h, d, t] = key_bits[b, h, d, o]
-                for d in range(D):
-                    value_pages[p, h, t, d] = value_bits[b, h, o, d]
+                v_rows[(i * H + h) * width + w] = (b * H + h) * block_size + o
+    return blk, off, v_rows, valid

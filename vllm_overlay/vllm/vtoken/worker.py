@@ -111,6 +111,8 @@ class VTokenWorker:
         )
         self.scores = ScoreAccumulator.of_policy(policy, device)  # the step's
         layout = "cpu" if device.type == "cpu" else "triton"
+        # CPU cache [2, N, H, B, D]: the read plan addresses V rows per KV head.
+        self._num_kv_heads = kv_caches[0].shape[2] if layout == "cpu" else 0
         self.executor = KVCopyExecutor(kv_caches, layout, B)
         if layout == "cpu":  # numba: compile (or load) now, not in a step
             import vllm.vtoken.read_kernels  # noqa: F401
@@ -248,6 +250,7 @@ class VTokenWorker:
                 kv_indptr,
                 kv_np,
                 B,
+                self._num_kv_heads,
                 write=writes,
                 score_rows=score_rows,
             )
