@@ -521,3 +521,36 @@ def test_gains_of_a_batch_in_flight_when_its_request_was_preempted_are_dropped()
     assert not vt.scores.scores("A", idx).any()
     vt.on_output(gains(0.25))  # batch 2's
     np.testing.assert_allclose(vt.scores.scores("A", idx), 0.25)
+
+
+def test_a_chunked_recompute_scores_persistence_as_one_step():
+    """Scissorhands after a preemption: the resume recomputes in three chunks,
+    each read for its scores. Its ages count the resume as one step (the last
+    chunk's, which brings the one new token), so its scores must see one fold
+    too: the chunks before it are skipped. Folding them read the first
+    chunk's tokens as important three times in one step of age."""
+    from vllm.vtoken.messages import ScoreStep, VTokenWorkerOutput
+
+    knobs = {"history_window": 4}
+    kv, vt, req = setup("vtoken", policy="scissorhands", budget=64, knobs=knobs)
+    step(kv, vt, req, 12, running=[])
+    step(kv, vt, req, 1, running=[req])
+    vt.on_preempt(req)
+    kv.free(req)
+    req.num_computed_tokens = 0
+    total = req.num_tokens  # 14: 13 computed before, 1 sampled
+    for chunk in (5, 5, total - 10):
+        vt.begin_step([])
+        assert kv.allocate_slots(req, chunk) is not None
+        vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": chunk}))
+        req.num_computed_tokens += chunk
+        n = req.num_computed_tokens  # keys read: every token up to the chunk's end
+        gains = ScoreStep(
+            req_ids=["A"],
+            indptr=np.array([0, n]),
+            key_idx=np.arange(n),
+            gain=np.ones(n, np.float32),
+        )
+        vt.on_output(VTokenWorkerOutput(scores=gains))
+        vt.check_integrity()
+    np.testing.assert_allclose(vt.scores.scores("A", np.arange(total)), 1 / 4)

@@ -79,6 +79,7 @@ class VTokenScheduler:
         )
         # The running scores, folded from each step's ScoreStep (on_output).
         self._scores = scores = ScoreAccumulator.of_policy(policy)
+        self._persistence = scores is not None and scores.mode == "persistence"
         self.runtime = EvictionRuntime(
             self.pool,
             policy,
@@ -278,9 +279,15 @@ class VTokenScheduler:
             for req in (r for r in reqs if r.request_id in new):
                 self._register(req)
         rows = pool.rows(rids)
-        start = pool.num_slotted_rows(rows)
-        for i in np.flatnonzero((start < pool.num_tokens_rows(rows)) & (upto > start)):
+        start, total = pool.num_slotted_rows(rows), pool.num_tokens_rows(rows)
+        for i in np.flatnonzero((start < total) & (upto > start)):  # resumed
             self._recompute_dead(rids[i], int(start[i]), int(upto[i]))
+            if upto[i] <= total[i] and self._persistence:
+                # A chunk before the recompute's last: persistence scores skip
+                # its step, so that the resume scores as one step (its last
+                # chunk, which reads every token) and the ages, which count it
+                # as one (ArrivalSteps.restart), agree with them.
+                self._stale[rids[i]] = self._num_steps
         grow = upto > start
         if not grow.all():
             if not grow.any():

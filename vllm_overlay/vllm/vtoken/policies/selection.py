@@ -81,9 +81,10 @@ class ArrivalSteps:
 
     def restart(self, req_id: str) -> None:
         """Every token of the request counts as arrived at its next step, the
-        first its restarted scores see (as a token added then is), when the
-        resume recomputes in one step (a chunked recompute's earlier chunks
-        bring no new token, so they count no step here)."""
+        first its restarted scores see (as a token added then is): the
+        resume's last chunk. A chunked recompute's earlier chunks bring no new
+        token, so they count no step here, and the scheduler folds no
+        persistence scores from them (VTokenScheduler._sync_slots)."""
         if req_id in self._a.index:
             row = self._a.index[req_id]
             span = self._a.span(row, self._a.cols["n"][row])
