@@ -8,7 +8,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 vtoken_runtime_env
 cd "$VTOKEN_REPO"
 bench() { echo "== $*" >&2; "$VTOKEN_PY" scripts/bench_vtoken.py "$@"; }
-bench memory --requests 8 --prompt-len 128 --gen-len 256 --budget 128 "$@"
+bench memory --requests 8 --prompt-len 128 --gen-len 256 --budget 128 --repeats 2 "$@"
 bench capacity --pools 64 128 --prompt-len 64 --gen-len 128 "$@"
 bench capacity --name capacity-long --pools 256 512 --prompt-len 384 --gen-len 128 "$@"
 bench overhead --requests 8 --prompt-len 128 --gen-len 128 --repeats 7 "$@"

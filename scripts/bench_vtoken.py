@@ -112,27 +112,41 @@ def memory_figures(run: dict) -> dict:
         "planner_us_per_call": planner_ns / 1e3 / (c.get("plan_calls") or 1),
         "planner_share": planner_ns / (1e9 * secs),
         "step_ms": 1e3 * secs / num_steps,
+        # The CPU decode target's measure: a step with every request decoding.
+        "decode_step_ms": statistics.median(s["step_ms"] for s in steps),
         "generate_s": secs,
     }
 
 
 def cmd_memory(args) -> dict:
+    """The memory figures of each mode (deterministic: the first run's), and
+    its decode step time, the median over --repeats runs taking turns (with
+    --baseline, the older overlay's runs next to each)."""
     wave = workload(args, args.requests, args.prompt_len)
     runs = [("none", "-"), *((p, r) for p in args.policies for r in RECLAIMS)]
-    results = {}
-    for policy, reclaim in runs:
+    results, steps = {}, {}
+    for rep, (policy, reclaim) in itertools.product(range(args.repeats), runs):
+        key = f"{policy}/{reclaim}"
         eng = engine_args(args, **policy_args(policy, args.budget, reclaim))
         spec = {"engine": eng, "histogram": True, **wave}
         fig = memory_figures(run_driver(spec))
+        steps.setdefault(key, []).append(fig["decode_step_ms"])
         if args.baseline and reclaim != "-":  # the older overlay, next
-            old = run_driver(spec, env=versions(args)["before"])
-            fig["before_step_ms"] = memory_figures(old)["step_ms"]
-        results[f"{policy}/{reclaim}"] = fig
-        print(
-            f"memory {policy:12s} {reclaim:6s} util {fig['utilization']:.3f} "
-            f"retained {fig['retained_blocks']:.1f}"
-        )
-    return {"workload": wave, **pick(args, "budget", "policies"), "results": results}
+            old = memory_figures(run_driver(spec, env=versions(args)["before"]))
+            steps.setdefault(f"{key}/before", []).append(old["decode_step_ms"])
+        if rep == 0:
+            results[key] = fig
+            print(
+                f"memory {policy:12s} {reclaim:6s} util {fig['utilization']:.3f} "
+                f"retained {fig['retained_blocks']:.1f}"
+            )
+    for key, fig in results.items():
+        fig["decode_step_ms"] = statistics.median(steps[key])
+        fig["decode_step_ms_runs"] = steps[key]
+        if args.baseline and key != "none/-":
+            fig["before_decode_step_ms"] = statistics.median(steps[f"{key}/before"])
+    keys = ("budget", "policies", "repeats")
+    return {"workload": wave, **pick(args, *keys), "results": results}
 
 
 def plot_memory(data: dict, png: pathlib.Path) -> None:
@@ -687,8 +701,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--baseline",
         type=pathlib.Path,
-        help="memory, scale, history, arrivals: also time this site folder's overlay (an older "
-        "series applied to a copy of vLLM; docs/DEVELOPING.md)",
+        help="memory, scale, history, arrivals: also time this site folder's overlay "
+        "(an older series applied to a copy of vLLM; docs/DEVELOPING.md)",
     )
     return p.parse_args()
 
