@@ -100,8 +100,10 @@ class VTokenScheduler:
         self._plan_due: set[str] = set()
         # This step's evictions (request ids, counts, idx), for VTokenStep.
         self._step_dead: list[tuple[list[str], np.ndarray, np.ndarray]] = []
-        # Batches scheduled, outputs taken; preempted request -> batches before
-        # it (PP's batch queue: in flight), whose gains for it are not folded.
+        # Batches scheduled, outputs taken; request -> the last batch whose
+        # gains for it are not folded: those in flight when it was preempted
+        # (PP's batch queue), and, for persistence scores, a resume's chunks
+        # before its last (`_sync_slots`).
         self._num_steps = self._num_outputs = 0
         self._stale: dict[str, int] = {}
         self.counters = VTokenCounters()
