@@ -523,12 +523,14 @@ def test_gains_of_a_batch_in_flight_when_its_request_was_preempted_are_dropped()
     np.testing.assert_allclose(vt.scores.scores("A", idx), 0.25)
 
 
-def test_a_chunked_recompute_scores_persistence_as_one_step():
-    """Scissorhands after a preemption: the resume recomputes in three chunks,
-    each read for its scores. Its ages count the resume as one step (the last
-    chunk's, which brings the one new token), so its scores must see one fold
-    too: the chunks before it are skipped. Folding them read the first
-    chunk's tokens as important three times in one step of age."""
+@pytest.mark.parametrize("chunks", [(5, 5, 4), (13, 1), (14,)])
+def test_a_chunked_recompute_scores_persistence_as_one_step(chunks):
+    """Scissorhands after a preemption: the resume recomputes in chunks (a
+    chunk ending at the last computed token among them; one step for
+    reference), each read for its scores. Its ages count the resume as one
+    step (the last chunk's, which brings the one new token), so its scores
+    must see one fold too: the chunks before it are skipped. Folding them read
+    the first chunk's tokens as important once per chunk in one step of age."""
     from vllm.vtoken.messages import ScoreStep, VTokenWorkerOutput
 
     knobs = {"history_window": 4}
@@ -539,7 +541,8 @@ def test_a_chunked_recompute_scores_persistence_as_one_step():
     kv.free(req)
     req.num_computed_tokens = 0
     total = req.num_tokens  # 14: 13 computed before, 1 sampled
-    for chunk in (5, 5, total - 10):
+    assert sum(chunks) == total
+    for chunk in chunks:
         vt.begin_step([])
         assert kv.allocate_slots(req, chunk) is not None
         vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": chunk}))
