@@ -41,7 +41,7 @@ def memory_section(d: dict, img: str) -> list[str]:
         f"{d['budget']} tokens, block size 16. Time averages over the steps where "
         "every request is decoding; step ms: the run's generation time over its "
         "steps; decode step ms: the median step with every request decoding "
-        f"(the CPU decode target's measure), the median of {d.get('repeats', 1)} "
+        f"(the CPU decode target's measure), the median of {d['repeats']} "
         "runs per mode taking turns.",
         "",
         "| policy | mode | token utilization | perfect packing | retained blocks "
@@ -49,24 +49,19 @@ def memory_section(d: dict, img: str) -> list[str]:
         "| planner % of time | copy KiB/step | step ms |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    native = r["none/-"].get("decode_step_ms")
-    if native:  # runs since 2026-12-02: the decode step, against native's
-        out[-2] += " decode step ms | vs native |"
-        out[-1] += "---:|---:|"
+    out[-2] += " decode step ms | vs native |"
+    out[-1] += "---:|---:|"
+    native = r["none/-"]["decode_step_ms"]
     before = any("before_decode_step_ms" in f for f in r.values())
     if before:  # --baseline: the same runs on the older overlay, taking turns
         out[-2] += " decode step ms before | now / before |"
         out[-1] += "---:|---:|"
     for key, f in r.items():
         policy, mode = key.split("/")
-        tail = ""
-        if native:
-            dec = f["decode_step_ms"]
-            tail += f" {dec:.1f} | {dec / native:.2f} |"
+        dec, old = f["decode_step_ms"], f.get("before_decode_step_ms")
+        tail = f" {dec:.1f} | {dec / native:.2f} |"
         if before:
-            old = f.get("before_decode_step_ms")
-            ratio = f" {old:.1f} | {f['decode_step_ms'] / old:.2f} |" if old else ""
-            tail += ratio or " - | - |"
+            tail += f" {old:.1f} | {dec / old:.2f} |" if old else " - | - |"
         out.append(
             f"| {policy} | {'native' if mode == '-' else mode} "
             f"| {f['utilization']:.3f} | {f['perfect_packing']:.3f} "

@@ -143,7 +143,7 @@ def cmd_memory(args) -> dict:
     for key, fig in results.items():
         fig["decode_step_ms"] = statistics.median(steps[key])
         fig["decode_step_ms_runs"] = steps[key]
-        if args.baseline and key != "none/-":
+        if f"{key}/before" in steps:
             fig["before_decode_step_ms"] = statistics.median(steps[f"{key}/before"])
     keys = ("budget", "policies", "repeats")
     return {"workload": wave, **pick(args, *keys), "results": results}
