@@ -43,6 +43,15 @@ def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return offset + np.arange(int(counts.sum()), dtype=np.int64)
 
 
+def indptr_of(counts: np.ndarray) -> np.ndarray:
+    """int64 [n + 1]: the CSR offsets of n segments of `counts` entries, 0
+    first (np.r_[0, np.cumsum(counts)] costs a dozen Python calls; a step's
+    hooks build several)."""
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
 def block_shift(block_size: int) -> int:
     """log2(block_size): the compiled loops find a slot's block by a shift
     (a division per token costs more than the rest of their pass). vLLM's

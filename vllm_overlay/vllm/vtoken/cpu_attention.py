@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm.vtoken.arena import block_shift, ranges
+from vllm.vtoken.arena import block_shift, indptr_of, ranges
 from vllm.vtoken.score_kernel import tiled_attention
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def build_cpu_read_plan(
             zip(q_loc[others].tolist(), q_loc[others + 1].tolist(), strict=True)
         ),
         other_slots=torch.from_numpy(slots[sel]),
-        other_loc=np.r_[0, np.cumsum(num_k[others])].tolist(),
+        other_loc=indptr_of(num_k[others]).tolist(),
         score_pos=torch.from_numpy(score_pos),
         decode_write=None if write[decode].all() else torch.from_numpy(write[decode]),
         other_write=write[others].tolist(),

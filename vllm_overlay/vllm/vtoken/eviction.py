@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import ranges
+from vllm.vtoken.arena import indptr_of, ranges
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.policies.base import (
     BatchView,
@@ -95,6 +95,7 @@ class EvictionRuntime:
         names = ("budget", "pix", "seed")
         self._by_row = {name: np.zeros(0, np.int64) for name in names}
         self._by_index: list[EvictionPolicy | None] = [None]
+        self._syncing = False  # whether a policy in use has sync_batch
 
     def sync_new_tokens(
         self,
@@ -135,6 +136,7 @@ class EvictionRuntime:
         known = [i for i, p in enumerate(self._by_index) if p is r.policy]
         if not known:  # by identity: a plug-in may define __eq__
             self._by_index.append(r.policy)
+            self._syncing |= r.policy is not None and _syncs(r.policy)
         row, cols = int(self.pool.rows([req_id])[0]), self._by_row
         if row >= cols["budget"].size:  # the pool's rows grew
             for name, col in cols.items():
@@ -144,10 +146,16 @@ class EvictionRuntime:
         cols["pix"][row] = known[0] if known else len(self._by_index) - 1
         cols["seed"][row] = r.seed
 
-    def sync_rows(self, req_ids: list[str], counts: np.ndarray, slots) -> None:
+    def sync_rows(
+        self, req_ids: list[str], counts: np.ndarray, slots, rows=None
+    ) -> None:
         """`sync_new_tokens` for registered requests at once: req_ids[k]
-        gets the next counts[k] of `slots`."""
-        rows = self.pool.rows(req_ids)
+        gets the next counts[k] of `slots`. `rows`: their Token Table rows,
+        when the caller has them."""
+        rows = self.pool.rows(req_ids) if rows is None else rows
+        if not self._syncing:  # no policy in use hears of new tokens
+            self.pool.append_rows(rows, counts, slots)
+            return
         before = self.pool.num_tokens_rows(rows).copy()
         self.pool.append_rows(rows, counts, slots)
         num_new = self.pool.num_tokens_rows(rows) - before
@@ -197,19 +205,28 @@ class EvictionRuntime:
         rows = self.pool.rows(req_ids) if rows is None else rows
         excess = self.pool.num_live_rows(rows) - self._by_row["budget"][rows]
         over = np.flatnonzero(excess > 0)
-        out = [(np.zeros(0, np.int64),) * 3]
-        if over.size:
+        if not over.size:
+            return over, over, over
+        if over.size == len(req_ids):  # every request (the steady state)
+            ids = req_ids
+        else:
             ids = [req_ids[i] for i in over.tolist()]
-            pix = self._by_row["pix"][rows[over]]
-            for p in np.unique(pix):
-                sel = np.flatnonzero(pix == p)
-                policy = self._by_index[p]
-                group = ids if sel.size == len(ids) else [ids[i] for i in sel]
-                att = np.asarray(num_attended)[over[sel]]
-                counts, idx = self._evict_group(
-                    policy, group, rows[over[sel]], att, excess[over[sel]]
-                )
-                out.append((over[sel], counts, idx))
+        attended = np.asarray(num_attended)[over]
+        if len(self._by_index) == 2:  # one policy in use: one group, in order
+            counts, idx = self._evict_group(
+                self._by_index[1], ids, rows[over], attended, excess[over]
+            )
+            return over, counts, idx
+        out = []
+        pix = self._by_row["pix"][rows[over]]
+        for p in np.unique(pix):
+            sel = np.flatnonzero(pix == p)
+            policy = self._by_index[p]
+            group = ids if sel.size == len(ids) else [ids[i] for i in sel]
+            counts, idx = self._evict_group(
+                policy, group, rows[over[sel]], attended[sel], excess[over[sel]]
+            )
+            out.append((over[sel], counts, idx))
         which, counts, idx = (np.concatenate(x) for x in zip(*out, strict=True))
         order = np.argsort(which, kind="stable")
         starts = (np.cumsum(counts) - counts)[order]
@@ -218,8 +235,7 @@ class EvictionRuntime:
 
     def _evict_group(self, policy, ids, rows, attended, excess):
         seg, idx, _ = self.pool.live_tokens(rows)
-        indptr = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(np.bincount(seg, minlength=len(ids)), out=indptr[1:])
+        indptr = indptr_of(np.bincount(seg, minlength=len(ids)))
         scores = None
         if policy.score_mode is not None:
             scores = self._batch_scores(policy, ids, idx, seg)
@@ -236,7 +252,7 @@ class EvictionRuntime:
             check_answers(policy, ids, seg, idx, evictable, excess, counts, chosen)
         order = np.lexsort((chosen, cseg))
         chosen = chosen[order]
-        self.pool.evict_rows(rows, np.r_[0, np.cumsum(counts)], chosen)
+        self.pool.evict_rows(rows, indptr_of(counts), chosen)
         return counts, chosen
 
     def _batch_scores(self, policy, ids, idx, seg) -> np.ndarray:

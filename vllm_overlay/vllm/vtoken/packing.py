@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vllm.vtoken.arena import block_shift
+from vllm.vtoken.arena import block_shift, indptr_of
 
 if TYPE_CHECKING:
     from vllm.vtoken.planner import BlockPlan
@@ -113,7 +113,7 @@ def _destinations(
     ids = plan.dst_block_ids.astype(np.int64)
     if fresh.size == 0:
         return ids, plan.dst_indptr
-    start = np.r_[0, np.cumsum(n_dst + n_fresh)]
+    start = indptr_of(n_dst + n_fresh)
     d_req = np.repeat(np.arange(K), n_dst)
     f_req = np.repeat(np.arange(K), n_fresh)
     f_at = np.arange(fresh.size) - (np.cumsum(n_fresh) - n_fresh)[f_req]

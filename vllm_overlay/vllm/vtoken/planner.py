@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import ranges
+from vllm.vtoken.arena import indptr_of, ranges
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +112,7 @@ def _cumsum_before_in_group(
 
 def _segment_sum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
     """int64 [R]: the sum of `values` over each CSR segment of `indptr`."""
-    total = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum(values, out=total[1:])
+    total = indptr_of(values)
     return total[indptr[1:]] - total[indptr[:-1]]
 
 
@@ -203,16 +202,16 @@ def _plan(ids, live, req, src, dst, fresh, block_size) -> BlockPlan:
     # A request's destinations are taken while the holes before them fall
     # short of `need`: a prefix of its list, found on the running hole count.
     d_at = np.searchsorted(req[dst], groups)
-    holes = np.r_[0, np.cumsum(block_size - live[dst])]
+    holes = indptr_of(block_size - live[dst])
     n_dst = np.searchsorted(holes, holes[d_at[:-1]] + need) - d_at[:-1]
     n_dst = np.minimum(n_dst, np.diff(d_at))
     req_index = np.flatnonzero(np.diff(s_at) > 0)
     n_src, n_dst = np.diff(s_at)[req_index], n_dst[req_index]
     return BlockPlan(
         req_index=req_index,
-        src_indptr=np.r_[0, np.cumsum(n_src)],
+        src_indptr=indptr_of(n_src),
         src_block_ids=ids[src].astype(np.int32),
-        dst_indptr=np.r_[0, np.cumsum(n_dst)],
+        dst_indptr=indptr_of(n_dst),
         dst_block_ids=ids[dst[ranges(d_at[req_index], n_dst)]].astype(np.int32),
         num_fresh=fresh[req_index],
     )

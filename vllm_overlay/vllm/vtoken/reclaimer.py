@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import ranges
+from vllm.vtoken.arena import indptr_of, ranges
 from vllm.vtoken.block_index import BlockIndex
 from vllm.vtoken.messages import MoveBatch
 from vllm.vtoken.packing import pack_requests
@@ -100,12 +100,13 @@ class BlockReclaimer:
                 self.blocks.stop_caching(rid, self._num_cached_block[rid])
             self._num_cached_block[rid] = _NEVER
 
-    def free_empty_blocks(self, rids, seg, dead, recs: Mapping) -> None:
+    def free_empty_blocks(self, rids, seg, dead, recs: Mapping, rows=None) -> None:
         """Free the blocks whose last live token just died (Naive-Evict), for
         the batch at once: tokens dead[j] of request rids[seg[j]] died (int
-        arrays); `recs` holds their RequestStates."""
+        arrays); `recs` holds their RequestStates; `rows`: their Token Table
+        rows, when the caller has them."""
         B, pool = self.block_size, self.pool
-        rows = pool.rows(rids)
+        rows = pool.rows(rids) if rows is None else rows
         # Only blocks every token of which has been written: a block still
         # being filled (e.g. by a chunked recompute) may get live tokens yet.
         full = dead < (pool.num_slotted_rows(rows) // B * B)[seg]
@@ -273,7 +274,7 @@ class BlockReclaimer:
         req = np.repeat(np.arange(len(rids)), counts)[keep]
         pos = keep - (np.cumsum(counts) - counts)[req]
         common = dict(
-            req_indptr=np.r_[0, np.cumsum(np.bincount(req, minlength=len(rids)))],
+            req_indptr=indptr_of(np.bincount(req, minlength=len(rids))),
             block_ids=ids[keep].astype(np.int32),
             block_live=live[keep],
             block_size=B,
@@ -313,7 +314,7 @@ class BlockReclaimer:
         seg, idx, slot = self.pool.live_tokens(self.pool.rows(rids))
         m = pack_requests(
             plan,
-            live_indptr=np.r_[0, np.cumsum(np.bincount(seg, minlength=len(rids)))],
+            live_indptr=indptr_of(np.bincount(seg, minlength=len(rids))),
             live_idx=idx,
             live_slots=slot,
             block_size=B,
@@ -328,7 +329,7 @@ class BlockReclaimer:
         # (sources keep theirs intact, so a later hit on them stays valid).
         self.block_pool.evict_blocks(set(dst_blocks.tolist()))
         num_moves = np.diff(m.indptr).tolist()
-        at = np.r_[0, np.cumsum(plan.num_fresh)].tolist()
+        at = indptr_of(plan.num_fresh).tolist()
         src_at, src_ids = plan.src_indptr.tolist(), plan.src_block_ids.tolist()
         out_rids, busy = [], []
         for k, r in enumerate(plan.req_index.tolist()):
@@ -357,7 +358,7 @@ class BlockReclaimer:
         batch = MoveBatch(
             batch_id=batch_id,
             req_ids=out_rids,
-            indptr=np.r_[0, np.cumsum(n[n > 0])],
+            indptr=indptr_of(n[n > 0]),
             idx=m.idx,
             src_slots=m.src_slots,
             dst_slots=m.dst_slots,

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, segments, values
+from vllm.vtoken.arena import attrs, indptr_of, segments, values
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
@@ -155,14 +155,16 @@ class VTokenScheduler:
                 self._caching.discard(rid)
         if not which.size:
             return
-        ids = [rids[i] for i in which.tolist()]
+        # `which` ascends: as long as rids, it is every request.
+        ids = rids if which.size == len(rids) else [rids[i] for i in which.tolist()]
         self._step_dead.append((ids, counts, idx))
         self.counters.evicted_tokens += int(idx.size)
-        due = pool.dead_since_mark_rows(rows[which]) >= self.block_size
+        rows = rows[which]
+        due = pool.dead_since_mark_rows(rows) >= self.block_size
         self._plan_due.update(compress(ids, due))
         # Blocks whose last live token just died are freed.
         seg = np.repeat(np.arange(len(ids)), counts)
-        self.reclaimer.free_empty_blocks(ids, seg, idx, self._reqs)
+        self.reclaimer.free_empty_blocks(ids, seg, idx, self._reqs, rows)
 
     @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
@@ -194,10 +196,8 @@ class VTokenScheduler:
                 [r for r, g in zip(ids, gone, strict=True) if not g],
                 counts[keep],
             )
-        indptr = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(counts, out=indptr[1:])
         return VTokenStep(
-            dead_req_ids=ids, dead_indptr=indptr, dead_idx=idx, moves=moves
+            dead_req_ids=ids, dead_indptr=indptr_of(counts), dead_idx=idx, moves=moves
         )
 
     @timed("scheduler_ns")
@@ -295,7 +295,7 @@ class VTokenScheduler:
             if not grow.any():
                 return
             rids = [r for r, g in zip(rids, grow.tolist(), strict=True) if g]
-            start, upto = start[grow], upto[grow]
+            rows, start, upto = rows[grow], start[grow], upto[grow]
         # Each request's blocks [first, last], as one flat list of block ids.
         first, last = start // B, (upto - 1) // B
         blocks = values(self.reclaimer.req_to_blocks, rids)
@@ -311,7 +311,7 @@ class VTokenScheduler:
         pos = start[seg] + k
         nblocks = last - first + 1
         block_at = (np.cumsum(nblocks) - nblocks)[seg] + pos // B - first[seg]
-        self.runtime.sync_rows(rids, counts, ids[block_at] * B + pos % B)
+        self.runtime.sync_rows(rids, counts, ids[block_at] * B + pos % B, rows)
 
     def _register(self, req: Request) -> None:
         rid = req.request_id

@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.vtoken.arena import RowArena
+from vllm.vtoken.arena import RowArena, indptr_of
 from vllm.vtoken.messages import ScoreStep
 
 SCORE_MODES = ("sum", "persistence", "window")
@@ -174,7 +174,7 @@ class ScoreAccumulator:
                 if read.size == klen.size
                 else [req_ids[r] for r in read.tolist()]
             ),
-            indptr=np.r_[0, np.cumsum(klen[read])],
+            indptr=indptr_of(klen[read]),
             key_idx=np.asarray(key_idx, dtype=np.int64),
             gain=gain,
         )
@@ -189,7 +189,7 @@ class ScoreAccumulator:
             sel = np.repeat(keep, np.diff(indptr))
             ids = [r for r, k in zip(ids, keep.tolist(), strict=True) if k]
             idx, gain = idx[sel], gain[sel]
-            indptr = np.r_[0, np.cumsum(np.diff(indptr)[keep])]
+            indptr = indptr_of(np.diff(indptr)[keep])
         if not ids:
             return
         acc = self._acc

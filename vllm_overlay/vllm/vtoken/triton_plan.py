@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm.vtoken.arena import ranges
+from vllm.vtoken.arena import indptr_of, ranges
 from vllm.vtoken.score_kernel import ScorePlan, score_tiles
 from vllm.vtoken.staging import HostToDevice
 
@@ -78,7 +78,7 @@ def build_triton_read_plan(
         host["rows"] = ranges(qsl_all[idx], qlens[idx])
         slots = kv_slots[ranges(indptr[idx], lens[idx])]
         lens, qlens = lens[idx], qlens[idx]
-    host["qsl"] = np.r_[0, np.cumsum(qlens)]
+    host["qsl"] = indptr_of(qlens)
     host["lens"] = lens
     width = max(64, -(-int(lens.max()) // 64) * 64) if lens.size else 0
     # unified_attention loads table entries up to the live length rounded up

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, lookup, ranges, values
+from vllm.vtoken.arena import attrs, indptr_of, lookup, ranges, values
 from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, read_keys, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
@@ -205,8 +205,7 @@ class VTokenWorker:
         slot_mapping = input_batch.block_table[0].slot_mapping.np
         computed = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         counts = num_scheduled[:num_reqs].astype(np.int64)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(counts, out=qsl[1:])
+        qsl = indptr_of(counts)
         if new := set(rids).difference(self._scored):  # first sight
             for rid in (r for r in rids if r in new):
                 pool.add_request(rid)
@@ -230,8 +229,7 @@ class VTokenWorker:
         seg, idx, kv_np = read_keys(pool, rows[read], computed[read])
         num_keys = np.zeros(num_reqs, dtype=np.int64)
         num_keys[read] = np.bincount(seg, minlength=read.size)
-        kv_indptr = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_keys, out=kv_indptr[1:])
+        kv_indptr = indptr_of(num_keys)
         score_rows = None
         if self.scores is not None:
             self.scores.begin_step(kv_np.size)
