@@ -38,8 +38,8 @@ def as_index(values: np.ndarray | list[int], what: str) -> np.ndarray:
 def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """int64: the concatenation of [starts[i], starts[i] + counts[i])."""
     counts = np.asarray(counts, np.int64)
-    before = np.cumsum(counts) - counts
-    offset = np.repeat(np.asarray(starts, np.int64) - before, counts)
+    before = counts.cumsum() - counts
+    offset = (np.asarray(starts, np.int64) - before).repeat(counts)
     return offset + np.arange(int(counts.sum()), dtype=np.int64)
 
 
@@ -48,7 +48,7 @@ def indptr_of(counts: np.ndarray) -> np.ndarray:
     first (np.r_[0, np.cumsum(counts)] costs a dozen Python calls; a step's
     hooks build several)."""
     out = np.zeros(len(counts) + 1, np.int64)
-    np.cumsum(counts, out=out[1:])
+    np.asarray(counts).cumsum(out=out[1:])
     return out
 
 
@@ -66,8 +66,8 @@ def segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(seg, k) of the flat concatenation of segments of `counts` entries:
     each entry's segment and its offset within it, both int64."""
     counts = np.asarray(counts, np.int64)
-    seg = np.repeat(np.arange(counts.size), counts)
-    k = np.arange(seg.size, dtype=np.int64) - (np.cumsum(counts) - counts)[seg]
+    seg = np.arange(counts.size).repeat(counts)
+    k = np.arange(seg.size, dtype=np.int64) - (counts.cumsum() - counts)[seg]
     return seg, k
 
 

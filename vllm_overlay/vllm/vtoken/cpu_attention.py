@@ -128,13 +128,13 @@ def build_cpu_read_plan(
     assert q_loc.shape == kv_loc.shape and kv_loc[-1] == slots.size, (
         "query_start_loc, kv_indptr and kv_slots disagree"
     )
-    num_q, num_k = np.diff(q_loc), np.diff(kv_loc)
+    num_q, num_k = q_loc[1:] - q_loc[:-1], kv_loc[1:] - kv_loc[:-1]
     read = num_k > 0  # requests without keys are read by vLLM's kernel
     assert (num_k[read] >= num_q[read]).all(), (
         "a request has fewer live slots than queries"
     )
-    decode = np.flatnonzero(read & (num_q == 1))
-    others = np.flatnonzero(read & (num_q > 1))
+    decode = (read & (num_q == 1)).nonzero()[0]
+    others = (read & (num_q > 1)).nonzero()[0]
     width = int(num_k[decode].max()) if decode.size else 0
     blk, off, v_rows, valid = decode_index(
         kv_loc, decode, slots, width, block_shift(block_size), num_kv_heads

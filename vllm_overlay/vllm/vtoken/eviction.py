@@ -204,7 +204,7 @@ class EvictionRuntime:
         """
         rows = self.pool.rows(req_ids) if rows is None else rows
         excess = self.pool.num_live_rows(rows) - self._by_row["budget"][rows]
-        over = np.flatnonzero(excess > 0)
+        over = (excess > 0).nonzero()[0]
         if not over.size:
             return over, over, over
         if over.size == len(req_ids):  # every request (the steady state)
@@ -245,7 +245,7 @@ class EvictionRuntime:
         batch = BatchView(ids, indptr, seg, idx, evictable, scores, seeds, rngs)
         counts, chosen = policy.evict_batch(batch, excess)
         counts, chosen = np.asarray(counts, np.int64), np.asarray(chosen, np.int64)
-        cseg = np.repeat(np.arange(counts.size), counts)
+        cseg = np.arange(counts.size).repeat(counts)
         # A plug-in's answer is checked always, the built-ins' (tested against
         # the per-request reference) under VTOKEN_CHECK_INTEGRITY=1.
         if integrity.CHECK or not is_builtin(policy):

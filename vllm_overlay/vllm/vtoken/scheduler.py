@@ -163,7 +163,7 @@ class VTokenScheduler:
         due = pool.dead_since_mark_rows(rows) >= self.block_size
         self._plan_due.update(compress(ids, due))
         # Blocks whose last live token just died are freed.
-        seg = np.repeat(np.arange(len(ids)), counts)
+        seg = np.arange(len(ids)).repeat(counts)
         self.reclaimer.free_empty_blocks(ids, seg, idx, self._reqs, rows)
 
     @timed("scheduler_ns")
@@ -282,7 +282,7 @@ class VTokenScheduler:
                 self._register(req)
         rows = pool.rows(rids)
         start, total = pool.num_slotted_rows(rows), pool.num_tokens_rows(rows)
-        for i in np.flatnonzero((start < total) & (upto > start)):  # resumed
+        for i in ((start < total) & (upto > start)).nonzero()[0]:  # resumed
             self._recompute_dead(rids[i], int(start[i]), int(upto[i]))
             if upto[i] <= total[i] and self._persistence:
                 # A chunk before the recompute's last: persistence scores skip
@@ -310,7 +310,7 @@ class VTokenScheduler:
         seg, k = segments(counts)
         pos = start[seg] + k
         nblocks = last - first + 1
-        block_at = (np.cumsum(nblocks) - nblocks)[seg] + pos // B - first[seg]
+        block_at = (nblocks.cumsum() - nblocks)[seg] + pos // B - first[seg]
         self.runtime.sync_rows(rids, counts, ids[block_at] * B + pos % B, rows)
 
     def _register(self, req: Request) -> None:

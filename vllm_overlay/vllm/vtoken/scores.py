@@ -160,14 +160,14 @@ class ScoreAccumulator:
         self._step = self._step[:0]
         if self.aggregate == "max":
             norm = 1.0  # one head of one layer, not their sum
-        klen = np.diff(indptr)
+        klen = indptr[1:] - indptr[:-1]
         if self.mode != "persistence":
             gain = (mass / norm).astype(np.float32)
         else:
             queries = np.repeat(np.asarray(num_queries, dtype=np.float64), klen)
             # mean prob = mass / (norm * q) >= 1 / keys, without dividing.
             gain = (mass * np.repeat(klen, klen) >= norm * queries).astype(np.float32)
-        read = np.flatnonzero(klen)
+        read = klen.nonzero()[0]
         return ScoreStep(
             req_ids=(
                 list(req_ids)

@@ -225,7 +225,7 @@ class VTokenWorker:
         # token. A query token may be dead when a preempted request recomputes
         # its KV; it is attended this once and stays dead afterwards. Rows not
         # read get no keys: vLLM's kernel reads their positional KV.
-        read = np.flatnonzero(reads)
+        read = reads.nonzero()[0]
         seg, idx, kv_np = read_keys(pool, rows[read], computed[read])
         num_keys = np.zeros(num_reqs, dtype=np.int64)
         num_keys[read] = np.bincount(seg, minlength=read.size)
@@ -319,7 +319,8 @@ class VTokenWorker:
         step_scores = None
         if read is not None and self.scores is not None:
             (rids, key_idx), self._read_keys = self._read_keys, None
-            nq = np.diff(read.query_start_loc)
+            qsl = read.query_start_loc
+            nq = qsl[1:] - qsl[:-1]
             self.scores.reduce_step(self._ranks.reduce_scores)
             step_scores = self.scores.take_step(
                 rids, read.kv_indptr, key_idx, nq, self._score_norm
