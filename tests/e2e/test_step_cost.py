@@ -39,8 +39,14 @@ def calls_per_step(policy: str, n: int) -> float:
     return statistics.median(calls)
 
 
-def test_the_hooks_make_as_many_calls_a_step_at_16_requests_as_at_4(engine_dir):
-    # H2O: scores, selection and compaction (every policy shares the rest).
-    few, many = calls_per_step("h2o", 4), calls_per_step("h2o", 16)
+# H2O: scores, selection and compaction, which every policy shares; the others
+# for their own step paths: SnapKV's window scores (rows per request from the
+# worker's request states), Scissorhands' persistence scores and ages,
+# Random's draws. StreamingLLM's is a subset of Random's.
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "scissorhands", "random"])
+def test_the_hooks_make_as_many_calls_a_step_at_16_requests_as_at_4(
+    engine_dir, policy
+):
+    few, many = calls_per_step(policy, 4), calls_per_step(policy, 16)
     assert few > 0
     assert many == few

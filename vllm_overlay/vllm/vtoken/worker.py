@@ -51,7 +51,11 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
     from vllm.v1.worker.utils import AttentionGroup
 
-_NUM_TOKENS = attrgetter("num_tokens")  # CachedRequestState: prompt + outputs
+# CachedRequestState.num_tokens (prompt + outputs) is a Python property: read
+# its two terms through attrgetter maps instead, so that no Python code runs
+# per request (DESIGN.md §7.1).
+_NUM_PROMPT = attrgetter("num_prompt_tokens")
+_OUTPUTS = attrgetter("output_token_ids")
 
 
 def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
@@ -237,7 +241,12 @@ class VTokenWorker:
             if self.scores.query_window is not None:
                 # Prompt and outputs so far: the same on every PP rank (a
                 # non-last rank's num_tokens_no_spec is the chunk's end).
-                total = attrs(values(requests, rids), _NUM_TOKENS)
+                reqs = values(requests, rids)
+                total = attrs(reqs, _NUM_PROMPT)
+                total += np.fromiter(map(len, map(_OUTPUTS, reqs)), np.int64, len(reqs))
+                assert not integrity.CHECK or total.tolist() == [
+                    r.num_tokens for r in reqs
+                ], "CachedRequestState.num_tokens is no longer prompt + outputs"
                 score_rows = window_rows(
                     self.scores.query_window, total, computed, counts
                 )
