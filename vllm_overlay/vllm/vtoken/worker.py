@@ -210,11 +210,13 @@ class VTokenWorker:
         computed = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         counts = num_scheduled[:num_reqs].astype(np.int64)
         qsl = indptr_of(counts)
-        if new := set(rids).difference(self._scored):  # first sight
-            for rid in (r for r in rids if r in new):
-                pool.add_request(rid)
-                self._scored[rid] = self._reads_scores(requests[rid])
-        rows = pool.rows(rids)
+        rows = pool.rows_or_missing(rids)  # -1: first sight (as in _scored)
+        if rows.size and rows.min() < 0:
+            for rid, row in zip(rids, rows.tolist(), strict=True):
+                if row < 0:
+                    pool.add_request(rid)
+                    self._scored[rid] = self._reads_scores(requests[rid])
+            rows = pool.rows(rids)
         new = slot_mapping[: qsl[-1]].astype(np.int64)
         start = pool.num_slotted_rows(rows)
         hits = np.maximum(computed - start, 0)
