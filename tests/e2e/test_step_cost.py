@@ -44,9 +44,7 @@ def calls_per_step(policy: str, n: int) -> float:
 # worker's request states), Scissorhands' persistence scores and ages,
 # Random's draws. StreamingLLM's is a subset of Random's.
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "scissorhands", "random"])
-def test_the_hooks_make_as_many_calls_a_step_at_16_requests_as_at_4(
-    engine_dir, policy
-):
+def test_the_hooks_make_as_many_calls_a_step_at_16_requests_as_at_4(engine_dir, policy):
     few, many = calls_per_step(policy, 4), calls_per_step(policy, 16)
     assert few > 0
     assert many == few
