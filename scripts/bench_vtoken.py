@@ -611,6 +611,10 @@ def cmd_scale(args) -> dict:
             extra = policy_args(policy, args.budget, "vtoken")
             counted = run_driver({"engine": {**eng, **extra}, **short})
             plans = [r["counters"] for r in mine]
+            # The runs are deterministic (the e2e oracles hold them to it):
+            # they evict and plan alike, only their times differ.
+            for key in ("evicted_tokens", "plan_calls"):
+                assert len({c[key] for c in plans}) == 1, (policy, key, plans)
             row = {
                 "step_ms": statistics.median(r["step_ms"] for r in mine),
                 "host_ms": statistics.median(r["host_ms"] for r in mine),

@@ -7,6 +7,7 @@ import torch
 
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.policies import EvictionPolicy, create_policy
+from vllm.vtoken.request_args import RequestEviction
 from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.token_table import TokenTablePool
 from vllm.vtoken.triton_attention import attention_mass
@@ -98,6 +99,30 @@ def test_the_batch_path_evicts_what_the_per_request_path_does():
     runs = np.split(idx, np.cumsum(counts)[:-1])
     got = dict(zip(["abc"[i] for i in which], runs, strict=True))
     assert {r: v.tolist() for r, v in got.items()} == want
+    batch.pool.check_integrity()
+
+
+def test_a_batch_of_several_policies_evicts_what_each_request_would_alone():
+    # Requests pick their own policy (patch 0090's extra_args): the batch is
+    # evicted one group per policy, and the groups' answers are merged back
+    # into the batch's order. Interleaved here: a, c, e on the engine's
+    # StreamingLLM, b and f on Random, d opted out (never over budget).
+    picks = {
+        "b": RequestEviction("random", 3),
+        "d": RequestEviction("none", None),
+        "f": RequestEviction("random", 3),
+    }
+    one, batch = (make_runtime(create_policy("streamingllm", 6), 6) for _ in range(2))
+    for rt in (one, batch):
+        for k, rid in enumerate("abcdef"):
+            rt.sync_new_tokens(rid, np.arange(9) + 9 * k, evict=picks.get(rid))
+    want = {rid: one.enforce_budget(rid, 9).tolist() for rid in "abcdef"}
+    which, counts, idx = batch.enforce_budgets(list("abcdef"), np.full(6, 9))
+    assert which.tolist() == [0, 1, 2, 4, 5]  # ascending, d left out
+    runs = np.split(idx, np.cumsum(counts)[:-1])
+    got = {"abcdef"[i]: run.tolist() for i, run in zip(which, runs, strict=True)}
+    assert got == {rid: v for rid, v in want.items() if v}
+    assert len(want["a"]) == 3 and len(want["b"]) == 6 and want["d"] == []
     batch.pool.check_integrity()
 
 

@@ -55,7 +55,8 @@ class RequestView:
 
 @dataclass(frozen=True)
 class BatchView:
-    """The requests a policy evicts from in one step, as flat arrays.
+    """The requests a policy evicts from in one step, as flat arrays; built
+    by the runtime, read-only (the runtime reads them after `evict_batch`).
 
     Request r's live tokens are entries [indptr[r], indptr[r + 1]) of the token
     arrays, ascending; `seg` is each token's request. `seeds` are per-request
