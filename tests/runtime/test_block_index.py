@@ -12,8 +12,8 @@ from vllm.vtoken.block_index import BlockIndex
 NULL = SimpleNamespace(block_id=0, is_null=True)
 
 
-def block(i: int) -> SimpleNamespace:
-    return SimpleNamespace(block_id=i, is_null=False)
+def block(i: int, ref_cnt: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(block_id=i, is_null=False, ref_cnt=ref_cnt)
 
 
 def test_follows_appends_replacements_and_a_new_list():
@@ -35,6 +35,24 @@ def test_follows_appends_replacements_and_a_new_list():
     with pytest.raises(AssertionError, match="shrank"):
         lists["a"].pop()
         index.get("a")
+
+
+def test_null_out_replaces_the_unshared_blocks_it_is_given(monkeypatch):
+    monkeypatch.setattr(integrity, "CHECK", True)  # every get: index == list
+    shared = block(3, ref_cnt=2)  # a prefix-cache hit another request holds
+    lists = {"a": [block(7), shared, block(9), block(4)]}
+    index = BlockIndex(lists, null_id=0)
+    index.get("a")
+    lists["a"].append(block(5))  # vLLM appends: caught up on the way
+    out = index.null_out("a", [5, 3, 7, 6], NULL)  # 6: not in the list
+    assert [b.block_id for b in out] == [7, 5]  # in list order, shared kept
+    assert [b.block_id for b in lists["a"]] == [0, 3, 9, 4, 0]
+    assert index.get("a").ids.tolist() == [0, 3, 9, 4, 0]
+    assert index.find("a", [7, 5, 3, 9]) == [1, 2]
+    monkeypatch.setattr(integrity, "CHECK", False)
+    lists["a"][2], lists["a"][3] = lists["a"][3], lists["a"][2]  # changed unseen
+    assert [b.block_id for b in index.null_out("a", [9], NULL)] == [9]
+    assert [b.block_id for b in lists["a"]] == [0, 3, 4, 0, 0]
 
 
 def test_a_list_changed_unseen_is_indexed_afresh(monkeypatch):

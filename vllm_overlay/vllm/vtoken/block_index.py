@@ -14,8 +14,9 @@ planner reads ids with NumPy::
 
 vLLM only appends to a running request's list (the index catches up with the
 new tail when next asked) and makes a new list when a preempted request
-resumes (a new index); every other change goes through `replace`. A lookup
-that finds another block where the index says is answered from a new index.
+resumes (a new index); every other change goes through `replace` (or
+`null_out`). A lookup that finds another block where the index says is
+answered from a new index.
 """
 
 from __future__ import annotations
@@ -86,13 +87,35 @@ class BlockIndex:
     def find(self, rid: str, ids: Iterable[int]) -> list[int]:
         """Ascending entries of `rid`'s list holding blocks among `ids` (a
         block it does not hold, such as a displaced source, has none)."""
-        ids, blocks = list(ids), self._lists[rid]
+        return self._locate(rid, list(ids))[1]
+
+    def null_out(
+        self, rid: str, ids: list[int], null: KVCacheBlock
+    ) -> list[KVCacheBlock]:
+        """`replace` with `null` every entry of `rid`'s list holding a block
+        among `ids` that no other request holds (ref_cnt 1); returns those
+        blocks, in list order. For a step's freed blocks: one lookup of the
+        index per request, not one per block."""
+        index, entries = self._locate(rid, ids)
+        blocks, out = self._lists[rid], []
+        for i in entries:
+            block = blocks[i]
+            if block.ref_cnt == 1:
+                del index.at[block.block_id]
+                blocks[i] = null
+                index.ids[i] = null.block_id
+                out.append(block)
+        return out
+
+    def _locate(self, rid: str, ids: list[int]) -> tuple[Positions, list[int]]:
+        """(`rid`'s index, caught up; `find`'s entries)."""
+        blocks = self._lists[rid]
         for fresh in (False, True):
-            at = self.get(rid, fresh).at
-            found = [(i, b) for b in ids if (i := at.get(b)) is not None]
+            index = self.get(rid, fresh)
+            found = [(i, b) for b in ids if (i := index.at.get(b)) is not None]
             if all(blocks[i].block_id == b for i, b in found):
                 break  # else the list changed unseen: index it afresh
-        return sorted(i for i, _ in found)
+        return index, sorted(i for i, _ in found)
 
     def replace(self, rid: str, entry: int, block: KVCacheBlock) -> None:
         """Entry `entry` of `rid`'s list becomes `block` (null, fresh, or the

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Scheduler side: evicted tokens become free blocks in vLLM's block pool.
 
-Two ways, both ending in `_null_out` (null-replace in the request's
-positional block list) and `BlockPool.free_blocks`:
+Two ways, both ending in a null-replace in the request's positional block
+list (`BlockIndex.null_out`, `_null_out`) and `BlockPool.free_blocks`:
 
   naive-evict   a block whose last live token died is freed at once
                 (`free_empty_blocks`);
@@ -124,13 +124,12 @@ class BlockReclaimer:
                 return
             seg, blk = seg[idle], blk[idle]
         reqs, cut = np.unique(seg, return_index=True)  # seg is sorted
-        cut, freed = cut.tolist(), []
+        cut, freed, null = cut.tolist(), [], self.block_pool.null_block
         for k, lo, hi in zip(reqs.tolist(), cut, cut[1:] + [seg.size], strict=True):
-            rid, held = rids[k], self.positional(rids[k])
-            entries = self.blocks.find(rid, blk[lo:hi].tolist())
             # Its own (unshared) ones, in list order.
-            entries = [i for i in entries if held[i].ref_cnt == 1]
-            freed += self._null_out(rid, recs[rid], entries)
+            out = self.blocks.null_out(rids[k], blk[lo:hi].tolist(), null)
+            recs[rids[k]].nulls += len(out)
+            freed += out
         self._free(freed)
 
     def release_blocks(
