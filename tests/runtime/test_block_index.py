@@ -44,15 +44,17 @@ def test_null_out_replaces_the_unshared_blocks_it_is_given(monkeypatch):
     index = BlockIndex(lists, null_id=0)
     index.get("a")
     lists["a"].append(block(5))  # vLLM appends: caught up on the way
-    out = index.null_out("a", [5, 3, 7, 6], NULL)  # 6: not in the list
+    out = index.null_out("a", [5, 3, 7, 6], NULL, True)  # 6: not in the list
     assert [b.block_id for b in out] == [7, 5]  # in list order, shared kept
     assert [b.block_id for b in lists["a"]] == [0, 3, 9, 4, 0]
     assert index.get("a").ids.tolist() == [0, 3, 9, 4, 0]
     assert index.find("a", [7, 5, 3, 9]) == [1, 2]
     monkeypatch.setattr(integrity, "CHECK", False)
     lists["a"][2], lists["a"][3] = lists["a"][3], lists["a"][2]  # changed unseen
-    assert [b.block_id for b in index.null_out("a", [9], NULL)] == [9]
+    assert [b.block_id for b in index.null_out("a", [9], NULL, True)] == [9]
     assert [b.block_id for b in lists["a"]] == [0, 3, 4, 0, 0]
+    assert [b.block_id for b in index.null_out("a", [3], NULL, False)] == [3]
+    assert [b.block_id for b in lists["a"]] == [0, 0, 4, 0, 0]
 
 
 def test_a_list_changed_unseen_is_indexed_afresh(monkeypatch):

@@ -90,17 +90,17 @@ class BlockIndex:
         return self._locate(rid, list(ids))[1]
 
     def null_out(
-        self, rid: str, ids: list[int], null: KVCacheBlock
+        self, rid: str, ids: list[int], null: KVCacheBlock, unshared_only: bool
     ) -> list[KVCacheBlock]:
         """`replace` with `null` every entry of `rid`'s list holding a block
-        among `ids` that no other request holds (ref_cnt 1); returns those
-        blocks, in list order. For a step's freed blocks: one lookup of the
+        among `ids` (with `unshared_only`, one no other request holds:
+        ref_cnt 1); returns those blocks, in list order. One lookup of the
         index per request, not one per block."""
         index, entries = self._locate(rid, ids)
         blocks, out = self._lists[rid], []
         for i in entries:
             block = blocks[i]
-            if block.ref_cnt == 1:
+            if not unshared_only or block.ref_cnt == 1:
                 del index.at[block.block_id]
                 blocks[i] = null
                 index.ids[i] = null.block_id

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Scheduler side: evicted tokens become free blocks in vLLM's block pool.
 
-Two ways, both ending in a null-replace in the request's positional block
-list (`BlockIndex.null_out`, `_null_out`) and `BlockPool.free_blocks`:
+Two ways, both ending in `_null_out` (null-replace in the request's
+positional block list) and `BlockPool.free_blocks`:
 
   naive-evict   a block whose last live token died is freed at once
                 (`free_empty_blocks`);
@@ -124,12 +124,10 @@ class BlockReclaimer:
                 return
             seg, blk = seg[idle], blk[idle]
         reqs, cut = np.unique(seg, return_index=True)  # seg is sorted
-        cut, freed, null = cut.tolist(), [], self.block_pool.null_block
+        cut, freed = cut.tolist(), []
         for k, lo, hi in zip(reqs.tolist(), cut, cut[1:] + [seg.size], strict=True):
-            # Its own (unshared) ones, in list order.
-            out = self.blocks.null_out(rids[k], blk[lo:hi].tolist(), null)
-            recs[rids[k]].nulls += len(out)
-            freed += out
+            rid, ids = rids[k], blk[lo:hi].tolist()
+            freed += self._null_out(rid, recs[rid], ids, unshared_only=True)
         self._free(freed)
 
     def release_blocks(
@@ -137,19 +135,18 @@ class BlockReclaimer:
     ) -> None:
         """Null-replace `blocks` of `rid` in its block table (those still in
         it: not a displaced source), then free them."""
-        entries = self.blocks.find(rid, (b.block_id for b in blocks))
-        self._null_out(rid, rec, entries)
+        self._null_out(rid, rec, [b.block_id for b in blocks])
         self._free(blocks)
 
     def _null_out(
-        self, rid: str, rec: RequestState, entries: list[int]
+        self, rid: str, rec: RequestState, ids: list[int], unshared_only=False
     ) -> list[KVCacheBlock]:
-        """Entries of `rid`'s list become the null block; returns what they held."""
-        held, null = self.positional(rid), self.block_pool.null_block
-        out = [held[i] for i in entries]
-        for i in entries:
-            self.blocks.replace(rid, i, null)
-        rec.nulls += len(entries)
+        """The entries of `rid`'s list holding blocks among `ids` (with
+        `unshared_only`, its own ones) become the null block; returns the
+        blocks they held, in list order."""
+        null = self.block_pool.null_block
+        out = self.blocks.null_out(rid, ids, null, unshared_only)
+        rec.nulls += len(out)
         return out
 
     def _free(self, blocks: list[KVCacheBlock]) -> None:
@@ -171,10 +168,7 @@ class BlockReclaimer:
         self.release_blocks(rid, rec, rec.move_src)
         dead = rec.move_dst[self.pool.block_live[rec.move_dst] == 0]
         if dead.size:
-            held = self.positional(rid)
-            entries = self.blocks.find(rid, dead.tolist())
-            entries = [i for i in entries if held[i].ref_cnt == 1]
-            self._free(self._null_out(rid, rec, entries))
+            self._free(self._null_out(rid, rec, dead.tolist(), unshared_only=True))
         # The fresh blocks that replaced displaced sources were taken from the pool.
         self.counters.reclaimed_blocks -= len(rec.move_detached)
         rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS

@@ -277,12 +277,7 @@ class VTokenScheduler:
         reqs = values(self._requests, rids)
         upto = attrs(reqs, _COMPUTED)
         upto += np.fromiter(scheduled.values(), np.int64, len(rids))
-        rows = pool.rows_or_missing(rids)  # -1: first sight (the pool's = _reqs)
-        if rows.size and rows.min() < 0:
-            for req, row in zip(reqs, rows.tolist(), strict=True):
-                if row < 0:
-                    self._register(req)
-            rows = pool.rows(rids)
+        rows = pool.rows_adding(rids, lambda i: self._register(reqs[i]))
         start, total = pool.num_slotted_rows(rows), pool.num_tokens_rows(rows)
         for i in ((start < total) & (upto > start)).nonzero()[0]:  # resumed
             self._recompute_dead(rids[i], int(start[i]), int(upto[i]))

@@ -193,12 +193,7 @@ class ScoreAccumulator:
         if not ids:
             return
         acc = self._acc
-        rows = acc.rows_or_missing(ids)
-        if rows.min() < 0:  # a row on first sight
-            for rid, row in zip(ids, rows.tolist(), strict=True):
-                if row < 0:
-                    acc.add(rid)
-            rows = acc.rows(ids)
+        rows = acc.rows_adding(ids, lambda i: acc.add(ids[i]))  # first sight
         acc.reserve(rows, np.maximum.reduceat(idx, indptr[:-1]) + 1)
         # Added, or with a window a moving average (not a count).
         self._k.fold(

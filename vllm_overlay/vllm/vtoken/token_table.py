@@ -101,6 +101,10 @@ class TokenTablePool:
         """int64 [R]: the rows of `req_ids`, -1 for a request without one."""
         return self._a.rows_or_missing(req_ids)
 
+    def rows_adding(self, req_ids: Sequence[str], add) -> np.ndarray:
+        """`RowArena.rows_adding`: `add(i)` registers req_ids[i] first."""
+        return self._a.rows_adding(req_ids, add)
+
     def append_rows(self, rows: np.ndarray, counts: np.ndarray, slots) -> None:
         """`append` for distinct rows at once: row i gets the next counts[i]
         entries of `slots` (flat, int, each in [0, num_slots), distinct per

@@ -210,13 +210,7 @@ class VTokenWorker:
         computed = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         counts = num_scheduled[:num_reqs].astype(np.int64)
         qsl = indptr_of(counts)
-        rows = pool.rows_or_missing(rids)  # -1: first sight (as in _scored)
-        if rows.size and rows.min() < 0:
-            for rid, row in zip(rids, rows.tolist(), strict=True):
-                if row < 0:
-                    pool.add_request(rid)
-                    self._scored[rid] = self._reads_scores(requests[rid])
-            rows = pool.rows(rids)
+        rows = pool.rows_adding(rids, lambda i: self._add(rids[i], requests))
         new = slot_mapping[: qsl[-1]].astype(np.int64)
         start = pool.num_slotted_rows(rows)
         hits = np.maximum(computed - start, 0)
@@ -288,6 +282,11 @@ class VTokenWorker:
             score_rows=score_rows,
         )
         set_token_read(self._read)
+
+    def _add(self, rid: str, requests: dict[str, CachedRequestState]) -> None:
+        # First sight: a Token Table, and whether its policy reads scores.
+        self.pool.add_request(rid)
+        self._scored[rid] = self._reads_scores(requests[rid])
 
     def _with_hits(self, rids, requests, start, hits, counts, new) -> np.ndarray:
         """The step's slots with each request's prefix-cache hits (tokens
