@@ -29,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 B = 16  # block size
 THRESHOLD = 1.0  # the engine default (--kv-reclaim-threshold)
 BLOCKS, REQS = (1_000, 10_000, 100_000), (16, 256, 1024)  # every pair is a row
-REPEATS = 9
+REPEATS = 21
 
 
 def git_commit(repo: pathlib.Path) -> str:
@@ -54,16 +54,40 @@ def load(name: str):
 
 
 def load_from(repo: pathlib.Path, name: str):
-    """vllm/vtoken/<name>.py of another checkout, under its own module name
-    (it imports this checkout's helpers: integrity, arena)."""
+    """vllm/vtoken/<name>.py of another checkout, under its own module name,
+    with that checkout's compiled loops (planner_kernels.py) when it has them:
+    its planner and packer as they ran there (it imports this checkout's
+    other helpers: integrity, arena)."""
     import importlib.util
 
-    path = repo / f"vllm_overlay/vllm/vtoken/{name}.py"
-    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
+    def from_file(path: pathlib.Path, module_name: str, rewrite=None):
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses resolve annotations by it
+        source = path.read_text()
+        if rewrite:
+            for old, new in rewrite.items():
+                assert old in source, f"{path} no longer says {old!r}"
+                source = source.replace(old, new)
+        exec(compile(source, str(path), "exec"), module.__dict__)
+        return module
+
+    folder = repo / "vllm_overlay/vllm/vtoken"
+    rewrite = {}
+    if (folder / "planner_kernels.py").exists():
+        if "baseline_planner_kernels" not in sys.modules:
+            from_file(folder / "planner_kernels.py", "baseline_planner_kernels")
+        rewrite = {
+            "packing": {
+                "from vllm.vtoken import planner_kernels as k": "import "
+                "baseline_planner_kernels as k"
+            },
+            "planner": {
+                "from vllm.vtoken.planner_kernels import": "from "
+                "baseline_planner_kernels import"
+            },
+        }[name]
+    return from_file(folder / f"{name}.py", f"baseline_{name}", rewrite)
 
 
 def make_state(num_blocks: int, num_reqs: int, seed: int = 0) -> tuple[dict, dict]:

@@ -215,15 +215,16 @@ def planner_section(d: dict, img: str = "") -> list[str]:
         f"step, worst case (every request planned), median of {d['meta']['repeats']}, "
         f"threshold {d['meta']['threshold']}; before: `pack_request` per request"
         + (
-            f"; NumPy: the vectorized NumPy planner of {base}, runs taking turns, "
-            "its plans and moves equal to these."
+            f"; {base}: the planner and packer of that checkout, its own "
+            "compiled loops included, runs taking turns, its plans and moves "
+            "equal to these."
             if base
             else "."
         ),
         "",
         "| blocks | requests | moved tokens | plan µs | pack µs | step µs "
         "| µs per 1,000 blocks | before: step µs |"
-        + (" NumPy: step µs | now / NumPy |" if base else ""),
+        + (f" {base}: step µs | now / {base} |" if base else ""),
         "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if base else ""),
     ]
     for row in d["rows"]:

@@ -342,6 +342,13 @@ def test_pack_requests_rejects_what_cannot_work():
         pack(block_plan([[0]], [[5]]), [(np.arange(3), np.arange(2))])
     with pytest.raises(AssertionError, match="no plan"):  # request 1's tokens
         pack(block_plan([[0]], [[5]]), [([], []), ([0], [1])])
+    # Request 0's token in block 3, request 1's destination: a foreign
+    # token (the planner plans a request's own blocks only).
+    two = [([0, 1], [0, 3 * B]), ([0], [2 * B])]
+    with pytest.raises(AssertionError, match="token 1 is a foreign token"):
+        pack(block_plan([[0], [2]], [[5], [3]]), two)
+    with pytest.raises(AssertionError, match=r"a destination is a source \(block 2"):
+        pack(block_plan([[0], [2]], [[5], [2]]), two)  # across requests
     with pytest.raises(AssertionError):  # fresh blocks the plan did not ask for
         pack(block_plan([[0]], [[5]]), five[:1], fresh=[9])
     empty = pack(block_plan([], []), [])

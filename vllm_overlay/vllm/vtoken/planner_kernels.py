@@ -127,24 +127,29 @@ def pack(
     (the planner plans a request's unshared blocks), which is checked.
 
     One pass over the planned requests' tokens marks the held slots and
-    lists the tokens in sources; then, request by request, its destinations'
-    free slots are listed and zipped with its moving tokens. Blocks of
+    writes the tokens in sources out in logical order; then, request by
+    request, its destinations' free slots are zipped with them. Blocks of
     1 << shift slots (arena.block_shift). Returns (status, indptr, idx,
     src_slots, dst_slots): status >= 0, or an error code (NO_ROOM ...
-    FOREIGN) with the planned request or the token it concerns in indptr[0]."""
+    FOREIGN) with the planned request or the token it concerns in indptr[0].
+
+    The token pass is bound by its random reads (a block's tag, a slot's
+    held flag), hence one tag per block for owner and role, and no scratch
+    list of moving positions or free slots to write and read back."""
     B, num_req, K = 1 << shift, indptr.size - 1, req_index.size
     none = np.zeros(1, np.int64)
-    owner = np.full(num_blocks, -1, np.int32)  # planned block -> its request k
-    is_src = np.zeros(num_blocks, np.bool_)
+    # Planned block -> 2k + 1 (a source of planned request k) or 2k (one of
+    # its destinations); -1: in no plan.
+    tag = np.full(num_blocks, -1, np.int32)
     for k in range(K):
         for b in src[src_ptr[k] : src_ptr[k + 1]]:
-            owner[b], is_src[b] = k, True
+            tag[b] = 2 * k + 1
     for k in range(K):
         for b in dst[dst_ptr[k] : dst_ptr[k + 1]]:
-            if is_src[b]:
+            if tag[b] > 0 and tag[b] & 1:
                 none[0] = b
                 return DST_IS_SRC, none, none, none, none
-            owner[b] = k
+            tag[b] = 2 * k
     planned = np.full(num_req, -1, np.int64)
     n_planned = 0
     for k in range(K):
@@ -153,44 +158,39 @@ def pack(
     for r in range(num_req):  # no other request's token in a planned block
         if planned[r] < 0:
             for t in range(indptr[r], indptr[r + 1]):
-                if owner[slots[t] >> shift] >= 0:
+                if tag[slots[t] >> shift] >= 0:
                     none[0] = t
                     return NO_PLAN, none, none, none, none
-    # Scratch: the held slots (read at destinations only), the positions in
-    # `slots` of the tokens that move, one request's free slots at a time.
-    held = np.zeros(num_blocks * B, np.bool_)
-    moved = np.empty(n_planned + 1, np.int32)
-    widest = 0
-    for k in range(K):
-        widest = max(widest, dst_ptr[k + 1] - dst_ptr[k])
-    free = np.empty(B * widest + 1, np.int64)
+    held = np.zeros(num_blocks * B, np.bool_)  # read at destinations only
+    out_idx, out_src = np.empty(n_planned, np.int64), np.empty(n_planned, np.int64)
     out_ptr = np.zeros(K + 1, np.int64)
     m = 0
     for k in range(K):  # held slots and moving tokens, request by request
         r = req_index[k]
         for t in range(indptr[r], indptr[r + 1]):
-            b = slots[t] >> shift
-            if owner[b] >= 0 and owner[b] != k:
-                none[0] = t
-                return FOREIGN, none, none, none, none
-            held[slots[t]] = True
-            moved[m] = t  # kept when in a source (branch-free)
-            m += is_src[b]
+            s = slots[t]
+            g = tag[s >> shift]
+            if g >= 0:
+                if g >> 1 != k:
+                    none[0] = t
+                    return FOREIGN, none, none, none, none
+                held[s] = True
+                out_idx[m], out_src[m] = idx[t], s  # kept when in a source
+                m += g & 1
         out_ptr[k + 1] = m
-    out_idx, out_src = np.empty(m, np.int64), np.empty(m, np.int64)
     out_dst = np.empty(m, np.int64)
     for k in range(K):  # moves in logical order, into the first free slots
-        n_free = 0
+        j, hi = out_ptr[k], out_ptr[k + 1]
         for d in range(dst_ptr[k], dst_ptr[k + 1]):
-            for off in range(B):
-                slot = dst[d] * B + off
-                free[n_free] = slot
-                n_free += not held[slot]
-        lo, hi = out_ptr[k], out_ptr[k + 1]
-        if hi - lo > n_free:
+            if j == hi:
+                break
+            first = dst[d] << shift
+            for slot in range(first, first + B):
+                out_dst[j] = slot  # kept when free (branch-free)
+                j += not held[slot]
+                if j == hi:
+                    break
+        if j < hi:
             none[0] = k
             return NO_ROOM, none, none, none, none
-        for j in range(lo, hi):
-            out_idx[j], out_src[j] = idx[moved[j]], slots[moved[j]]
-            out_dst[j] = free[j - lo]
-    return 0, out_ptr, out_idx, out_src, out_dst
+    return 0, out_ptr, out_idx[:m], out_src[:m], out_dst
