@@ -295,6 +295,20 @@ def test_add_counts_counts_each_occurrence(n):
     assert counts.dtype == np.int32
 
 
+def test_as_index_takes_integers_only():
+    from vllm.vtoken.arena import as_index
+
+    for ints in ([3, 1], np.array([3, 1], np.int32), np.array([3, 1], np.uint8)):
+        out = as_index(ints, "ids")
+        assert out.dtype == np.int64 and out.tolist() == [3, 1]
+    assert as_index([], "ids").size == 0  # an empty list is float64: allowed
+    for bad in (np.array([1.0]), np.array([True])):
+        with pytest.raises(AssertionError, match="ids must hold integers"):
+            as_index(bad, "ids")
+    with pytest.raises(AssertionError, match="ids must be 1-D"):
+        as_index(np.zeros((1, 1), np.int64), "ids")
+
+
 def test_live_tokens_walk_the_live_list_in_logical_order():
     pool = make_pool(a=[12, 13, 14, 15, 40, 41], b=[8, 9, 10])
     pool.evict("a", np.array([0, 2, 4]))
