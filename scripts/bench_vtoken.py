@@ -562,6 +562,52 @@ def _quarters(xs: list) -> list[list]:
     return [xs[i * k : (i + 1) * k] for i in range(4)]
 
 
+def scale_run(run: dict, n: int, hooked: bool = True) -> dict:
+    """One scale run's medians over its steady steps (`steady`): the step's
+    wall time, and vToken's host time in it (`hooked`; 0 for native)."""
+    host = per_step(run, n, "vtoken_ns") if hooked else [0]
+    return {
+        "step_ms": statistics.median(s["step_ms"] for s in steady(run, n)),
+        "host_ms": 1e-6 * statistics.median(host),
+        "counters": run["counters"],
+    }
+
+
+def scale_row(
+    mine: list[dict],
+    native_ms: float,
+    calls: list[int],
+    before: list[dict] | None = None,
+    before_calls: list[int] | None = None,
+) -> dict:
+    """A policy's row of the scale table from its runs (`scale_run`), the
+    native step, and the per-step calls of its counting run; `before`, the
+    same of the --baseline overlay. Medians over the runs, the planner's time
+    per plan over all of them."""
+    plans = [r["counters"] for r in mine]
+    # The runs are deterministic (the e2e oracles hold them to it): they
+    # evict and plan alike, only their times differ.
+    for key in ("evicted_tokens", "plan_calls"):
+        assert len({c[key] for c in plans}) == 1, (key, plans)
+    row = {
+        "step_ms": statistics.median(r["step_ms"] for r in mine),
+        "host_ms": statistics.median(r["host_ms"] for r in mine),
+        "host_ms_runs": [r["host_ms"] for r in mine],
+        "hook_calls": statistics.median(calls),
+        "planner_ms": 1e-6
+        * sum(c["planner_ns"] for c in plans)
+        / max(1, sum(c["plan_calls"] for c in plans)),
+        "plan_calls": plans[0]["plan_calls"],
+        "evicted_tokens": plans[0]["evicted_tokens"],
+    }
+    row["step_ratio"] = row["step_ms"] / native_ms
+    if before is not None:
+        row["before_host_ms"] = statistics.median(r["host_ms"] for r in before)
+        row["before_host_ms_runs"] = [r["host_ms"] for r in before]
+        row["before_hook_calls"] = statistics.median(before_calls)
+    return row
+
+
 def cmd_scale(args) -> dict:
     """vToken's host time per step at large batches, against native in the same
     run: a dummy-weight model (--model; build one with `scripts/prepare.py
@@ -592,15 +638,8 @@ def cmd_scale(args) -> dict:
                 continue  # native is the same on every overlay
             extra = policy_args(policy, args.budget, "vtoken")
             run = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
-            runs.setdefault((policy, ver), []).append(
-                {
-                    "step_ms": statistics.median(s["step_ms"] for s in steady(run, n)),
-                    "host_ms": 1e-6 * statistics.median(per_step(run, n, "vtoken_ns"))
-                    if policy != "none"
-                    else 0.0,
-                    "counters": run["counters"],
-                }
-            )
+            hooked = policy != "none"
+            runs.setdefault((policy, ver), []).append(scale_run(run, n, hooked))
             print(
                 f"scale {n:5d} {policy:13s} {ver:7s} {runs[policy, ver][-1]['host_ms']}"
             )
@@ -610,31 +649,14 @@ def cmd_scale(args) -> dict:
             mine = runs[policy, "vtoken"]
             extra = policy_args(policy, args.budget, "vtoken")
             counted = run_driver({"engine": {**eng, **extra}, **short})
-            plans = [r["counters"] for r in mine]
-            # The runs are deterministic (the e2e oracles hold them to it):
-            # they evict and plan alike, only their times differ.
-            for key in ("evicted_tokens", "plan_calls"):
-                assert len({c[key] for c in plans}) == 1, (policy, key, plans)
-            row = {
-                "step_ms": statistics.median(r["step_ms"] for r in mine),
-                "host_ms": statistics.median(r["host_ms"] for r in mine),
-                "host_ms_runs": [r["host_ms"] for r in mine],
-                "hook_calls": statistics.median(per_step(counted, n, "hook_calls")),
-                "planner_ms": 1e-6
-                * sum(c["planner_ns"] for c in plans)
-                / max(1, sum(c["plan_calls"] for c in plans)),
-                "plan_calls": plans[0]["plan_calls"],
-                "evicted_tokens": plans[0]["evicted_tokens"],
-            }
-            row["step_ratio"] = row["step_ms"] / native_ms
+            before = before_calls = None
             if args.baseline:
-                old = runs[policy, "before"]
-                row["before_host_ms"] = statistics.median(r["host_ms"] for r in old)
-                row["before_host_ms_runs"] = [r["host_ms"] for r in old]
+                before = runs[policy, "before"]
                 env = versions(args)["before"]
-                counted = run_driver({"engine": {**eng, **extra}, **short}, env=env)
-                calls = per_step(counted, n, "hook_calls")
-                row["before_hook_calls"] = statistics.median(calls)
+                old = run_driver({"engine": {**eng, **extra}, **short}, env=env)
+                before_calls = per_step(old, n, "hook_calls")
+            calls = per_step(counted, n, "hook_calls")
+            row = scale_row(mine, native_ms, calls, before, before_calls)
             out[f"{n}/{policy}"] = row
             print(f"scale {n:5d} {policy:13s} {row}")
     return {

@@ -1,0 +1,71 @@
+"""The scale benchmark's arithmetic (scripts/bench_vtoken.py scale_run and
+scale_row) on hand-made driver results: which steps count, medians over the
+runs, the planner's time per plan, and the refusal of runs that disagree.
+The engine runs themselves are the e2e tests' and the benchmark's."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+# scripts/ is not a package, and bench_vtoken imports engine_driver from its
+# own folder: loaded by path with that folder on sys.path.
+sys.path.insert(0, str(REPO / "scripts"))
+_spec = importlib.util.spec_from_file_location(
+    "bench_vtoken", REPO / "scripts/bench_vtoken.py"
+)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def driver_run(step_ms, vtoken_ns, running, planner_ns=0, plan_calls=0, evicted=0):
+    """A driver result: per step its wall time, the running total of vToken's
+    host time, and the number of running requests."""
+    steps = [
+        {"step_ms": s, "vtoken_ns": v, "running": r}
+        for s, v, r in zip(step_ms, vtoken_ns, running, strict=True)
+    ]
+    counters = {"planner_ns": planner_ns, "plan_calls": plan_calls}
+    return {"steps": steps, "counters": counters | {"evicted_tokens": evicted}}
+
+
+def test_a_run_counts_its_steady_steps_only():
+    # Five steps run all 3 requests; the first two of them (prefill, 40 and
+    # 30 ms) are left out: 7, 9, 8 ms remain, over which vToken's host time
+    # grew by 4 ms, then 3.
+    run = driver_run(
+        [50, 40, 30, 7, 9, 8, 1],
+        [0, 1e6, 2e6, 4e6, 8e6, 11e6, 11e6],
+        [1, 3, 3, 3, 3, 3, 2],
+    )
+    got = bench.scale_run(run, 3)
+    assert got["step_ms"] == 8
+    assert got["host_ms"] == pytest.approx(3.5)
+    assert bench.scale_run(run, 3, hooked=False)["host_ms"] == 0.0
+
+
+def test_a_row_is_the_median_of_its_runs():
+    def one(step, host, planner_ns):
+        r = {"step_ms": step, "host_ms": host}
+        return r | {
+            "counters": {"planner_ns": planner_ns, "plan_calls": 4, "evicted_tokens": 9}
+        }
+
+    mine = [one(10, 1.0, 4e6), one(14, 3.0, 8e6), one(12, 2.0, 0)]
+    before = [one(0, 5.0, 0), one(0, 7.0, 0)]
+    row = bench.scale_row(mine, 8.0, [100, 90, 95], before, [120, 130])
+    assert (row["step_ms"], row["host_ms"], row["hook_calls"]) == (12, 2.0, 95)
+    assert row["host_ms_runs"] == [1.0, 3.0, 2.0]
+    assert row["step_ratio"] == pytest.approx(1.5)
+    assert row["planner_ms"] == pytest.approx(1.0)  # 12 ms over 12 plans
+    assert (row["plan_calls"], row["evicted_tokens"]) == (4, 9)
+    assert row["before_host_ms"] == 6.0 and row["before_hook_calls"] == 125
+    assert "before_host_ms" not in bench.scale_row(mine, 8.0, [1])
+    # Runs are deterministic: ones that evict differently are refused.
+    mine[1]["counters"] = mine[1]["counters"] | {"evicted_tokens": 10}
+    with pytest.raises(AssertionError, match="evicted_tokens"):
+        bench.scale_row(mine, 8.0, [1])
