@@ -65,7 +65,9 @@ def test_a_row_is_the_median_of_its_runs():
     assert (row["plan_calls"], row["evicted_tokens"]) == (4, 9)
     assert row["before_host_ms"] == 6.0 and row["before_hook_calls"] == 125
     assert "before_host_ms" not in bench.scale_row(mine, 8.0, [1])
-    # Runs are deterministic: ones that evict differently are refused.
-    mine[1]["counters"] = mine[1]["counters"] | {"evicted_tokens": 10}
-    with pytest.raises(AssertionError, match="evicted_tokens"):
-        bench.scale_row(mine, 8.0, [1])
+    # Runs are deterministic: ones that evict or plan differently are refused.
+    for key in ("evicted_tokens", "plan_calls"):
+        odd = [dict(r) for r in mine]
+        odd[1]["counters"] = odd[1]["counters"] | {key: 10}
+        with pytest.raises(AssertionError, match=rf"^\('{key}'"):
+            bench.scale_row(odd, 8.0, [1])

@@ -347,8 +347,9 @@ def test_pack_requests_rejects_what_cannot_work():
     two = [([0, 1], [0, 3 * B]), ([0], [2 * B])]
     with pytest.raises(AssertionError, match="token 1 is a foreign token"):
         pack(block_plan([[0], [2]], [[5], [3]]), two)
+    # Request 0's destination is request 1's source.
     with pytest.raises(AssertionError, match=r"a destination is a source \(block 2"):
-        pack(block_plan([[0], [2]], [[5], [2]]), two)  # across requests
+        pack(block_plan([[0], [2]], [[2], [3]]), two)
     with pytest.raises(AssertionError):  # fresh blocks the plan did not ask for
         pack(block_plan([[0]], [[5]]), five[:1], fresh=[9])
     empty = pack(block_plan([], []), [])

@@ -193,4 +193,6 @@ def pack(
         if j < hi:
             none[0] = k
             return NO_ROOM, none, none, none, none
+    # Views of buffers sized for every planned token: a copy would cost a
+    # pass, and a batch lives until its ack only.
     return 0, out_ptr, out_idx[:m], out_src[:m], out_dst
