@@ -401,3 +401,26 @@ def test_compiled_batch_ops_agree_with_a_dense_recount(seed):
             np.testing.assert_array_equal(a, b)
         pool.check_integrity()
     assert pool.total_live() == sum(pool.num_live(r) for r in names)
+
+
+def test_a_batch_memo_rebuilds_when_the_batch_or_the_rows_change():
+    pool = TokenTablePool(8, B)
+    for rid in "abc":
+        pool.add_request(rid)
+    memo, built = pool.memo(), []
+
+    def rows_of(batch):
+        built.append(list(batch))
+        return (pool.rows(batch),)
+
+    assert memo.get(["a", "b"], rows_of)[0].tolist() == [0, 1]
+    assert memo.get(["a", "b"], rows_of)[0].tolist() == [0, 1]  # the same batch
+    assert len(built) == 1
+    memo.get(["b", "a"], rows_of)  # another order
+    pool.release("c")  # a row removed: rows may move
+    memo.get(["b", "a"], rows_of)
+    pool.add_request("d")  # one added
+    memo.get(["b", "a"], rows_of)
+    memo.clear()  # what the batch's constants were read from changed
+    assert memo.get(["b", "a"], rows_of)[0].tolist() == [1, 0]
+    assert built == [["a", "b"]] + [["b", "a"]] * 4

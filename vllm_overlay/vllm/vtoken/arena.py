@@ -119,6 +119,7 @@ class RowArena:
         self.cap = np.zeros(0, np.int64)
         self.cols = {name: np.zeros(0, np.int64) for name in columns}
         self.index: dict[str, int] = {}  # request id -> row
+        self.generation = 0  # bumped whenever a row is added or removed
         self._free: list[int] = []
         self._top = 0  # first arena entry no region has used
 
@@ -136,6 +137,7 @@ class RowArena:
             self._free = list(range(n + grow - 1, n - 1, -1))
         row = self._free.pop()
         self.index[key] = row
+        self.generation += 1
         self.start[row] = self.cap[row] = 0
         for col in self.cols.values():
             col[row] = 0
@@ -144,6 +146,7 @@ class RowArena:
     def remove(self, key: str) -> None:
         """Drops a row; its region is cleared to the fill values."""
         row = self.index.pop(key)
+        self.generation += 1
         lo, hi = self.start[row], self.start[row] + self.cap[row]
         for name, arr in self.data.items():
             arr[lo:hi] = self._fill[name]
@@ -226,3 +229,46 @@ class RowArena:
             self.data[name] = new
         self.start[rows] = start
         self._top = used
+
+
+class BatchMemo:
+    """What one hook derived from its last batch, kept for the next step.
+
+    A step's batch is mostly the last one: the same requests in the same
+    order. Their rows (a dict lookup each) and constants (an attribute read
+    each, from objects the forward evicted from the caches) then come back
+    from one list comparison, which checks identity first, in C. Valid while
+    the batch compares equal and `arena` has added or removed no row::
+
+        memo = BatchMemo(arena)
+        rows, prompt = memo.get(running, lambda reqs: (rows_of(reqs), ...))
+
+    What `build` returns is shared by the steps that reuse it: callers read
+    it, never write to it (numba's explicit signatures refuse read-only
+    arrays, so this is not enforced).
+    """
+
+    __slots__ = ("_arena", "_batch", "_generation", "_value")
+
+    def __init__(self, arena: RowArena) -> None:
+        self._arena = arena
+        self._batch: list | None = None
+        self._generation = -1
+        self._value: tuple = ()
+
+    def clear(self) -> None:
+        """Forget the batch (what `build` read changed: e.g. a preempted
+        request's block list, which its resume replaces)."""
+        self._batch, self._value = None, ()
+
+    def get(self, batch: list, build: Callable[[list], tuple]) -> tuple:
+        """`build(batch)`, or what it returned for an equal batch with the
+        arena's rows unchanged since."""
+        arena = self._arena
+        if self._generation == arena.generation and self._batch == batch:
+            return self._value
+        value = build(batch)
+        # The generation after `build`, which may have added rows.
+        self._batch, self._value = list(batch), value
+        self._generation = arena.generation
+        return value

@@ -59,6 +59,7 @@ class EvictionRuntime:
         seed: int = 0,
         score_source: Callable[[str, np.ndarray], np.ndarray] | None = None,
         score_batch: Callable[..., np.ndarray] | None = None,
+        score_arena: Callable[[list[str]], tuple] | None = None,
     ) -> None:
         """Binds a pool and the engine's default policy.
 
@@ -74,9 +75,14 @@ class EvictionRuntime:
             score_batch: Optional (request ids [R], logical indices [n],
                 their requests' positions seg [n]) -> float32 scores [n]: the
                 same for many requests in one call (the step path).
+            score_arena: Optional (request ids [R]) -> where their scores
+                are (`ScoreAccumulator.arena_of`): the one-pass eviction of
+                a built-in's "score" rule reads them in place.
         """
         assert budget is None or budget > 0, budget
-        # The policies' compiled selection (numba): loaded now, not in a step.
+        # The compiled selection and one-pass eviction (numba): loaded now,
+        # not in a step.
+        import vllm.vtoken.eviction_kernels  # noqa: F401
         import vllm.vtoken.policies.selection_kernels  # noqa: F401
 
         self.pool = pool
@@ -85,6 +91,7 @@ class EvictionRuntime:
         self.seed = int(seed)
         self.score_source = score_source
         self.score_batch = score_batch
+        self.score_arena = score_arena
         self._policies: dict[tuple[str, int], EvictionPolicy] = {}
         if budget is not None:
             self._policies[(policy.name, budget)] = policy
@@ -234,6 +241,29 @@ class EvictionRuntime:
         return which[order], counts[order], idx[flat]
 
     def _evict_group(self, policy, ids, rows, attended, excess):
+        """Evicts `excess` tokens of each of `ids` (one policy's requests):
+        (counts, idx), idx ascending per request. A built-in's rule in one
+        compiled pass; else its `evict_batch` over a `BatchView`."""
+        rule = policy.lowest_rule(ids) if is_builtin(policy) else None
+        if rule is not None and (rule.key != "score" or self.score_arena):
+            seeds = self._by_row["seed"][rows]
+            arena = self.score_arena(ids) if rule.key == "score" else None
+            if integrity.CHECK:  # the rule chooses what evict_batch does
+                want = self._choose(policy, ids, rows, attended, excess)[1:]
+            counts, idx = self.pool.evict_lowest(
+                rows, excess, attended, rule, seeds, arena
+            )
+            if integrity.CHECK:
+                assert counts.tolist() == want[0].tolist(), (policy.name, "counts")
+                assert idx.tolist() == want[1].tolist(), (policy.name, "victims")
+            return counts, idx
+        indptr, counts, chosen = self._choose(policy, ids, rows, attended, excess)
+        self.pool.evict_rows(rows, indptr, chosen)
+        return counts, chosen
+
+    def _choose(self, policy, ids, rows, attended, excess):
+        """(indptr, counts, idx) of `evict_batch`'s answer, checked, idx
+        ascending per request; evicts nothing."""
         seg, idx, _ = self.pool.live_tokens(rows)
         indptr = indptr_of(np.bincount(seg, minlength=len(ids)))
         scores = None
@@ -251,9 +281,7 @@ class EvictionRuntime:
         if integrity.CHECK or not is_builtin(policy):
             check_answers(policy, ids, seg, idx, evictable, excess, counts, chosen)
         order = np.lexsort((chosen, cseg))
-        chosen = chosen[order]
-        self.pool.evict_rows(rows, indptr_of(counts), chosen)
-        return counts, chosen
+        return indptr_of(counts), counts, chosen[order]
 
     def _batch_scores(self, policy, ids, idx, seg) -> np.ndarray:
         if self.score_source is None:

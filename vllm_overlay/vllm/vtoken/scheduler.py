@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from itertools import compress
+from itertools import chain, compress
 from operator import attrgetter, getitem
 from typing import TYPE_CHECKING
 
@@ -87,6 +87,7 @@ class VTokenScheduler:
             seed=cfg.seed,
             score_source=scores.scores if scores else None,
             score_batch=scores.scores_rows if scores else None,
+            score_arena=scores.arena_of if scores else None,
         )
         self._reqs: dict[str, RequestState] = {}
         # Requests a step must visit, so that it visits those only: with
@@ -106,6 +107,13 @@ class VTokenScheduler:
         # before its last (`_sync_slots`).
         self._num_steps = self._num_outputs = 0
         self._stale: dict[str, int] = {}
+        # The last batch each step hook saw (arena.BatchMemo): the running
+        # requests (begin_step), the scheduled ones (_sync_slots).
+        self._running = self.pool.memo()
+        self._scheduled = self.pool.memo()
+        # Requests freed so far, and as of the last eviction: end_step checks
+        # its dead lists for finished requests only when some finished since.
+        self._num_freed = self._freed_at_evict = 0
         self.counters = VTokenCounters()
         self._last_counters = VTokenCounters()
         self.reclaimer = BlockReclaimer(
@@ -135,19 +143,30 @@ class VTokenScheduler:
         # while its last step is in flight (PP's batch queue schedules the next
         # batch first: that step's scores are not in yet).
         running = list(running)
-        rids = list(map(_REQ_ID, running))
-        rows = pool.rows_or_missing(rids)
-        attended = attrs(running, _COMPUTED)
-        ok = (rows >= 0) & (attrs(running, _PROMPT) <= attended)
-        # Request.num_tokens is len(_all_token_ids): read without its Python
-        # property, so that this costs no Python call per request.
-        num_tokens = np.fromiter(map(len, map(_ALL_TOKENS, running)), np.int64)
-        assert not integrity.CHECK or num_tokens.tolist() == [
-            r.num_tokens for r in running
-        ], "Request.num_tokens is no longer len(Request._all_token_ids)"
-        ok &= attended < num_tokens
+        rids, rows, prompt = self._running.get(running, self._running_rows)
+        # A running request's computed tokens are its slotted ones: vLLM
+        # added last step's to both (and a preemption reset both).
+        attended = pool.num_slotted_rows(rows)
+        assert (
+            not integrity.CHECK
+            or (attended[rows >= 0] == attrs(running, _COMPUTED)[rows >= 0]).all()
+        ), "a running request's computed tokens are not its slotted ones"
+        ok = (rows >= 0) & (prompt <= attended)
+        if self._num_outputs < self._num_steps or integrity.CHECK:
+            # A batch in flight (PP's batch queue): a request whose last step's
+            # output is not in has as many tokens as computed. Otherwise every
+            # running request past its prefill has one more. (len: without
+            # Request.num_tokens's Python property.)
+            num_tokens = np.fromiter(map(len, map(_ALL_TOKENS, running)), np.int64)
+            assert not integrity.CHECK or num_tokens.tolist() == [
+                r.num_tokens for r in running
+            ], "Request.num_tokens is no longer len(Request._all_token_ids)"
+            in_flight = ok & (attended >= num_tokens)
+            assert not in_flight.any() or self._num_outputs < self._num_steps
+            ok &= ~in_flight
         if not ok.all():
             rids, rows, attended = list(compress(rids, ok)), rows[ok], attended[ok]
+        self._freed_at_evict = self._num_freed
         which, counts, idx = self.runtime.enforce_budgets(rids, attended, rows)
         for rid in self._caching.intersection(rids) if self._caching else ():
             if pool.has_dead(rid):
@@ -185,10 +204,12 @@ class VTokenScheduler:
         chunks, self._step_dead = self._step_dead, []
         if not chunks and moves is None:
             return None
-        ids = [r for c in chunks for r in c[0]]
+        ids = list(chain.from_iterable(c[0] for c in chunks))  # c[0]: memoized
         counts = np.concatenate([c[1] for c in chunks] + [np.zeros(0, np.int64)])
         idx = np.concatenate([c[2] for c in chunks] + [np.zeros(0, np.int64)])
-        if not all(map(self._reqs.__contains__, ids)):  # finished since
+        if self._num_freed != self._freed_at_evict and not all(
+            map(self._reqs.__contains__, ids)
+        ):  # finished since
             gone = [r not in self._reqs for r in ids]
             keep = ~np.asarray(gone)
             idx = idx[np.repeat(keep, counts)]
@@ -246,6 +267,7 @@ class VTokenScheduler:
         if rec is None:
             return
         self.pool.reset_slots(req.request_id)
+        self._scheduled.clear()  # its resume has a new block list
         self._caching.add(req.request_id)  # its resume caches blocks again
         self.runtime.reset_scores(req.request_id)
         if self._scores is not None:  # they restart with the slots
@@ -259,6 +281,7 @@ class VTokenScheduler:
         rec = self._reqs.pop(req.request_id, None)
         if rec is None:
             return
+        self._num_freed += 1
         self._caching.discard(req.request_id)
         self._plan_due.discard(req.request_id)
         self.runtime.release(req.request_id)
@@ -267,6 +290,19 @@ class VTokenScheduler:
         self.reclaimer.drop_moves(req.request_id, rec)
 
     # ------------------------------------------------------------ internals
+    def _running_rows(self, running: list[Request]) -> tuple:
+        """begin_step's per-request constants: ids, rows (-1: none yet) and
+        prompt lengths (`BatchMemo`: read again only when the batch changes)."""
+        rids = list(map(_REQ_ID, running))
+        return rids, self.pool.rows_or_missing(rids), attrs(running, _PROMPT)
+
+    def _scheduled_rows(self, rids: list[str]) -> tuple:
+        """_sync_slots's: the requests, their rows (a new one registered) and
+        block lists (vLLM's, appended to in place; a resume makes a new one)."""
+        reqs = values(self._requests, rids)
+        rows = self.pool.rows_adding(rids, lambda i: self._register(reqs[i]))
+        return reqs, rows, values(self.reclaimer.req_to_blocks, rids)
+
     def _sync_slots(self, scheduled: dict[str, int]) -> None:
         """Give the scheduled requests' tokens [num_slotted, computed +
         scheduled) their positional slots, the batch at once."""
@@ -274,11 +310,18 @@ class VTokenScheduler:
             return
         B, pool = self.block_size, self.pool
         rids = list(scheduled)
-        reqs = values(self._requests, rids)
-        upto = attrs(reqs, _COMPUTED)
-        upto += np.fromiter(scheduled.values(), np.int64, len(rids))
-        rows = pool.rows_adding(rids, lambda i: self._register(reqs[i]))
+        reqs, rows, blocks = self._scheduled.get(rids, self._scheduled_rows)
         start, total = pool.num_slotted_rows(rows), pool.num_tokens_rows(rows)
+        # Computed tokens are slotted ones, but where none are: a new or
+        # resumed request, whose prefix-cache hits are computed and not slotted.
+        upto = start.copy()
+        fresh = (start == 0).nonzero()[0]
+        if fresh.size:
+            upto[fresh] = attrs([reqs[i] for i in fresh.tolist()], _COMPUTED)
+        assert not integrity.CHECK or (upto == attrs(reqs, _COMPUTED)).all(), (
+            "a scheduled request's computed tokens are not its slotted ones"
+        )
+        upto += np.fromiter(scheduled.values(), np.int64, len(rids))
         for i in ((start < total) & (upto > start)).nonzero()[0]:  # resumed
             self._recompute_dead(rids[i], int(start[i]), int(upto[i]))
             if upto[i] <= total[i] and self._persistence:
@@ -295,7 +338,8 @@ class VTokenScheduler:
             rows, start, upto = rows[grow], start[grow], upto[grow]
         # Each request's blocks [first, last], as one flat list of block ids.
         first, last = start // B, (upto - 1) // B
-        blocks = values(self.reclaimer.req_to_blocks, rids)
+        if not grow.all():
+            blocks = list(compress(blocks, grow.tolist()))
         if (first == last).all():  # decode: one block each
             ids = list(map(_BLOCK_ID, map(getitem, blocks, first.tolist())))
         else:

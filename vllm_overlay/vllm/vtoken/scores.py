@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.vtoken.arena import RowArena, indptr_of
+from vllm.vtoken.arena import BatchMemo, RowArena, indptr_of
 from vllm.vtoken.messages import ScoreStep
 
 SCORE_MODES = ("sum", "persistence", "window")
@@ -83,6 +83,8 @@ class ScoreAccumulator:
         self.query_window = query_window
         self.device = torch.device(device)
         self._acc = RowArena({"acc": (np.float32, 0.0)})
+        # The rows of the last batch folded, and read (arena_of).
+        self._folded, self._read = BatchMemo(self._acc), BatchMemo(self._acc)
         from vllm.vtoken import fold_kernels  # numba: only with vToken on
 
         self._k = fold_kernels
@@ -193,7 +195,9 @@ class ScoreAccumulator:
         if not ids:
             return
         acc = self._acc
-        rows = acc.rows_adding(ids, lambda i: acc.add(ids[i]))  # first sight
+        (rows,) = self._folded.get(  # first sight: a row
+            ids, lambda ids: (acc.rows_adding(ids, lambda i: acc.add(ids[i])),)
+        )
         acc.reserve(rows, np.maximum.reduceat(idx, indptr[:-1]) + 1)
         # Added, or with a window a moving average (not a count).
         self._k.fold(
@@ -217,6 +221,14 @@ class ScoreAccumulator:
         seg = np.zeros(idx.size, np.int64) if seg is None else np.asarray(seg, np.int64)
         a = self._acc
         return self._k.gather(rows, seg, idx, a.start, a.cap, a.data["acc"])
+
+    def arena_of(self, req_ids: list[str]):
+        """(rows, start, cap, acc): where the scores of `req_ids` are (rows
+        -1: never scored), for a compiled pass to read them in place (the
+        one-pass eviction: TokenTablePool.evict_lowest)."""
+        a = self._acc
+        (rows,) = self._read.get(req_ids, lambda ids: (a.rows_or_missing(ids),))
+        return rows, a.start, a.cap, a.data["acc"]
 
     def release(self, req_id: str) -> None:
         """Forgets a request's scores (finished, or preempted: they restart)."""

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import RowArena, add_counts, as_index, segments
+from vllm.vtoken.arena import BatchMemo, RowArena, add_counts, as_index, segments
 
 
 class TokenTablePool:
@@ -101,6 +101,10 @@ class TokenTablePool:
         """int64 [R]: the rows of `req_ids`, -1 for a request without one."""
         return self._a.rows_or_missing(req_ids)
 
+    def memo(self) -> BatchMemo:
+        """A `BatchMemo` valid while no table is added or released."""
+        return BatchMemo(self._a)
+
     def rows_adding(self, req_ids: Sequence[str], add) -> np.ndarray:
         """`RowArena.rows_adding`: `add(i)` registers req_ids[i] first."""
         return self._a.rows_adding(req_ids, add)
@@ -164,6 +168,31 @@ class TokenTablePool:
         )  # fmt: skip
         assert bad < 0, f"token {i[bad]} (entry {bad} of idx) is already dead"
         self._total_live -= i.size
+
+    def evict_lowest(self, rows, want, attended, rule, seeds, scores=None):
+        """`evict_rows` of the tokens a built-in's `LowestRule` picks, in
+        one pass (eviction_kernels.evict_lowest): row rows[i] (distinct)
+        loses up to want[i] of its live slotted tokens, those from
+        attended[i] - 1 on protected. `seeds` (uint64 [R]): the rows' batch
+        seeds; `scores`: (rows, start, cap, acc) of the running scores'
+        arena (ScoreAccumulator.arena_of), for a "score" key. Returns
+        (counts, idx), idx row by row, ascending."""
+        from vllm.vtoken.eviction_kernels import KEYS, evict_lowest
+
+        none = np.zeros(0, np.int64)
+        s_rows, s_start, s_cap, acc = scores or (*[none] * 3, np.zeros(0, np.float32))
+        assert rule.key != "score" or scores is not None, "a score key needs scores"
+        a, c = self._a.data, self._a.cols
+        counts, idx = evict_lowest(
+            np.asarray(rows, np.int64), np.asarray(want, np.int64),
+            np.asarray(attended, np.int64), np.asarray(seeds, np.uint64),
+            KEYS[rule.key], int(rule.recent), int(rule.sinks),
+            self._a.start, c["n_slotted"], c["n_live"], c["n_listed"],
+            a["listed"], a["live"], a["slot"], self.block_live,
+            self.block_size, s_rows, s_start, s_cap, acc,
+        )  # fmt: skip
+        self._total_live -= idx.size
+        return counts, idx
 
     # ------------------------------------------------------------ mutations
     def append(self, req_id: str, slots: np.ndarray) -> None:

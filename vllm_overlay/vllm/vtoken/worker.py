@@ -150,6 +150,9 @@ class VTokenWorker:
         # covers them, for their scores (vLLM's kernels return no
         # probabilities); their output is its only once they have a dead token.
         self._scored: dict[str, bool] = {}
+        # The last batch's rows (and whether each is scored), and the last
+        # dead lists' (arena.BatchMemo).
+        self._batch, self._dead = self.pool.memo(), self.pool.memo()
         self.counters = VTokenCounters()  # worker_ns only
 
     @timed("worker_ns")
@@ -171,7 +174,7 @@ class VTokenWorker:
         step = so.vtoken
         if step is not None:
             if step.dead_req_ids:
-                rows = pool.rows(step.dead_req_ids)
+                (rows,) = self._dead.get(step.dead_req_ids, lambda b: (pool.rows(b),))
                 pool.evict_rows(rows, step.dead_indptr, step.dead_idx)
             if step.moves is not None:
                 m = step.moves
@@ -210,7 +213,7 @@ class VTokenWorker:
         computed = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         counts = num_scheduled[:num_reqs].astype(np.int64)
         qsl = indptr_of(counts)
-        rows = pool.rows_adding(rids, lambda i: self._add(rids[i], requests))
+        rows, scored = self._batch.get(rids, lambda b: self._rows_of(b, requests))
         new = slot_mapping[: qsl[-1]].astype(np.int64)
         start = pool.num_slotted_rows(rows)
         hits = np.maximum(computed - start, 0)
@@ -218,7 +221,7 @@ class VTokenWorker:
             new = self._with_hits(rids, requests, start, hits, counts, new)
         pool.append_rows(rows, hits + counts, new)
         writes = pool.has_dead_rows(rows)
-        reads = writes | lookup(self._scored, rids, bool)
+        reads = writes | scored
         if not reads.any():
             return  # nobody reads through the token table this step
         # Keys of the rows read: live tokens before the step, then every query
@@ -282,6 +285,12 @@ class VTokenWorker:
             score_rows=score_rows,
         )
         set_token_read(self._read)
+
+    def _rows_of(self, rids: list[str], requests) -> tuple:
+        """The batch's rows (a new request gets one) and whether each reads
+        scores: read again only when the batch changes (`BatchMemo`)."""
+        rows = self.pool.rows_adding(rids, lambda i: self._add(rids[i], requests))
+        return rows, lookup(self._scored, rids, bool)
 
     def _add(self, rid: str, requests: dict[str, CachedRequestState]) -> None:
         # First sight: a Token Table, and whether its policy reads scores.

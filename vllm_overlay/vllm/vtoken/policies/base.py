@@ -86,6 +86,24 @@ class BatchView:
         )
 
 
+@dataclass(frozen=True)
+class LowestRule:
+    """A built-in's `evict_batch` stated as data, for the runtime's one-pass
+    eviction (eviction_kernels.evict_lowest; tests hold the two equal):
+    per request, the evictable tokens with the lowest `key` go first (ties:
+    oldest first), the protected ones last, oldest first. Protected: the
+    first `sinks` logical tokens and the `recent` newest live ones.
+
+    key: "score" (the running scores), "index" (the logical index: oldest
+    first) or "hash" (`selection.hash_uniform` of the request's seed, the
+    token and its newest token: Random's draw).
+    """
+
+    key: str
+    recent: int = 0
+    sinks: int = 0
+
+
 def one_request(req: RequestView, seed: int = 0) -> BatchView:
     n = req.live_idx.size
     return BatchView(
@@ -253,6 +271,12 @@ class EvictionPolicy(ABC):
         ]
         counts = np.fromiter((p.size for p in picks), np.int64, len(picks))
         return counts, np.concatenate([np.zeros(0, np.int64), *picks])
+
+    def lowest_rule(self, req_ids: list[str]) -> LowestRule | None:
+        """`evict_batch` for these requests as a `LowestRule`, or None (the
+        default): then the runtime calls `evict_batch`. Read from built-ins
+        only (a plug-in's subclass of one keeps its own `evict_batch`)."""
+        return None
 
     def reset_scores(self, req_id: str) -> None:  # noqa: B027
         """The request's scores start over from zero (it was preempted: its

@@ -31,6 +31,9 @@ class H2OPolicy(base.EvictionPolicy):
     def _validate(self) -> None:
         self.recent = round(self._ratio("recent_ratio") * self.budget)
 
+    def lowest_rule(self, req_ids):
+        return base.LowestRule("score", recent=self.recent)
+
     def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
         if batch.scores is None:
             raise ValueError("h2o needs accumulated attention scores")

@@ -21,6 +21,9 @@ class RandomPolicy(base.EvictionPolicy):
 
     name = "random"
 
+    def lowest_rule(self, req_ids):
+        return base.LowestRule("hash")
+
     def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
         # A draw per token, keyed by the request's seed and its newest token
         # (so each step draws afresh): the lowest draws go, a uniform choice.

@@ -40,6 +40,10 @@ class SnapKVPolicy(base.EvictionPolicy):
             )
         self._pooled: set[str] = set()  # requests past their first eviction
 
+    def lowest_rule(self, req_ids):  # decode, every request pooled: H2O's
+        pooled = all(map(self._pooled.__contains__, req_ids))
+        return base.LowestRule("score", recent=self.window) if pooled else None
+
     def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
         if batch.scores is None:
             raise ValueError("snapkv needs observation-window attention scores")

@@ -33,6 +33,9 @@ class StreamingLLMPolicy(base.EvictionPolicy):
                 f"({self.budget})"
             )
 
+    def lowest_rule(self, req_ids):
+        return base.LowestRule("index", sinks=self.num_sinks)
+
     def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
         sinks = batch.live_idx < self.num_sinks
         return selection.lowest_batch(batch, num_evict, batch.live_idx, sinks)

@@ -1,0 +1,143 @@
+"""The one-pass eviction of the built-ins' rules (eviction_kernels.py, through
+EvictionRuntime) evicts exactly what their `evict_batch` does, on tables with
+dead history, unscored tokens, ties and NaN scores."""
+
+import numpy as np
+import pytest
+
+from vllm.vtoken import integrity
+from vllm.vtoken.eviction import EvictionRuntime
+from vllm.vtoken.messages import ScoreStep
+from vllm.vtoken.policies import create_policy
+from vllm.vtoken.policies.base import LowestRule, is_builtin
+from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.token_table import TokenTablePool
+
+B = 4
+RULES = {
+    "h2o": {"recent_ratio": 0.25},
+    "streamingllm": {"num_sinks": 1},
+    "random": {},
+    "snapkv": {"window": 3},
+}
+
+
+def generic(policy):
+    """The same policy, not a built-in: the runtime calls its evict_batch."""
+    cls = type(policy)
+    return type("Generic" + cls.__name__, (cls,), {"__module__": __name__})(
+        policy.budget, **policy.knobs
+    )
+
+
+def build(policy, rng, num_reqs, scored):
+    """A runtime whose requests have grown, been evicted and scored at random."""
+    acc = ScoreAccumulator("sum") if policy.score_mode else None
+    pool = TokenTablePool(num_reqs * 40, B)
+    rt = EvictionRuntime(
+        pool,
+        policy,
+        policy.budget,
+        seed=5,
+        score_source=acc.scores if acc else None,
+        score_batch=acc.scores_rows if acc else None,
+        score_arena=acc.arena_of if acc else None,
+    )
+    rids = [f"r{i}" for i in range(num_reqs)]
+    lens = rng.integers(1, 30, num_reqs)
+    blocks = rng.permutation(pool.num_blocks)
+    for i, rid in enumerate(rids):
+        own = blocks[i * 8 : i * 8 + -(-lens[i] // B)]  # blocks of its own
+        slots = (own[:, None] * B + np.arange(B)).ravel()[: lens[i]]
+        rt.sync_new_tokens(rid, slots)
+        dead = np.flatnonzero(rng.random(lens[i]) < 0.3)
+        if dead.size:
+            pool.evict(rid, dead)
+    if acc is not None:
+        for i, rid in enumerate(rids):
+            if rid in scored:
+                keys = pool.live_idx(rid)[: rng.integers(0, lens[i] + 1)]
+                gain = rng.integers(0, 3, keys.size).astype(np.float32)
+                gain[rng.random(keys.size) < 0.1] = np.nan
+                if keys.size:
+                    indptr = np.array([0, keys.size])
+                    acc.fold(
+                        ScoreStep(req_ids=[rid], indptr=indptr, key_idx=keys, gain=gain)
+                    )
+    return rt, rids
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("budget", [2, 4, 12])
+def test_the_rule_evicts_what_evict_batch_does(name, seed, budget, monkeypatch):
+    monkeypatch.setattr(integrity, "CHECK", False)  # not the runtime's own check
+    policy = create_policy(name, budget, RULES[name])
+    out, pools = [], []
+    for pol in (policy, generic(policy)):
+        if name == "snapkv":  # past their first eviction: the decode rule
+            pol._pooled.update(f"r{i}" for i in range(30))
+        assert isinstance(pol.lowest_rule(["r0"]), LowestRule)
+        rng = np.random.default_rng(seed)
+        rt, rids = build(pol, rng, 30, scored={f"r{i}" for i in range(0, 30, 2)})
+        attended = rng.integers(0, 32, len(rids))
+        which, counts, idx = rt.enforce_budgets(rids, attended)
+        out.append((which.tolist(), counts.tolist(), idx.tolist()))
+        pools.append(rt.pool)
+    assert is_builtin(policy) and not is_builtin(generic(policy))
+    assert out[0] == out[1]
+    assert sum(out[0][1]) > 0
+    a, b = pools
+    for rid in a.request_ids():
+        assert a.dead_idx(rid).tolist() == b.dead_idx(rid).tolist()
+        assert a.live_idx(rid).tolist() == b.live_idx(rid).tolist()
+    np.testing.assert_array_equal(a.block_live, b.block_live)
+    assert a.total_live() == b.total_live()
+    a.check_integrity()
+
+
+def test_a_request_over_by_many_takes_the_sorted_path():
+    # More than a few victims: the stable sort, not the scans, ties by age.
+    policy = create_policy("h2o", 2, {"recent_ratio": 0.0})
+    every = {"r0", "r1", "r2", "r3"}
+    rt, rids = build(policy, np.random.default_rng(0), 4, scored=every)
+    ref, _ = build(generic(policy), np.random.default_rng(0), 4, scored=every)
+    att = np.full(4, 40)
+    assert [x.tolist() for x in rt.enforce_budgets(rids, att)] == [
+        x.tolist() for x in ref.enforce_budgets(rids, att)
+    ]
+
+
+def test_snapkv_evicts_by_evict_batch_until_its_requests_are_pooled():
+    policy = create_policy("snapkv", 4, {"window": 2})
+    assert policy.lowest_rule(["a"]) is None  # its first eviction pools
+    policy._pooled.add("a")
+    assert policy.lowest_rule(["a"]) == LowestRule("score", recent=2)
+    assert policy.lowest_rule(["a", "b"]) is None
+
+
+def test_a_plug_in_subclass_of_a_built_in_keeps_its_own_evict_batch():
+    calls = []
+    base = create_policy("h2o", 2)
+
+    class Mine(type(base)):
+        def evict_batch(self, batch, num_evict):
+            calls.append(len(batch.req_ids))
+            return super().evict_batch(batch, num_evict)
+
+    rt, rids = build(Mine(2), np.random.default_rng(1), 6, scored=set())
+    rt.enforce_budgets(rids, np.full(6, 40))
+    assert len(calls) == 1  # its evict_batch chose, not the rule
+
+
+def test_under_deep_checks_the_runtime_compares_the_two(monkeypatch):
+    """VTOKEN_CHECK_INTEGRITY=1 runs evict_batch beside the rule and asserts
+    they agree: a rule that disagrees is caught."""
+    monkeypatch.setattr(integrity, "CHECK", True)
+    policy = create_policy("streamingllm", 3, {"num_sinks": 1})
+    rt, rids = build(policy, np.random.default_rng(2), 8, scored=set())
+    monkeypatch.setattr(
+        type(policy), "lowest_rule", lambda self, ids: LowestRule("index", sinks=0)
+    )
+    with pytest.raises(AssertionError, match="victims"):
+        rt.enforce_budgets(rids, np.full(8, 40))

@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compiled one-pass eviction for the built-in policies' rules (numba).
+
+Scheduler side, once a step (EvictionRuntime.enforce_budgets). A policy's
+`evict_batch` sees the batch as a `BatchView` built by a dozen passes over its
+live tokens (the live walk, their scores, the evictable mask, the policy's
+key and protection, the k lowest, a sort, the eviction): at 1,024 requests
+over a millisecond a step, the memory traffic of ~34k tokens read and written
+ten times. A built-in states its choice as a `LowestRule` instead
+(policies/base.py), and this loop applies it row by row, reading each live
+token once:
+
+    per row   walk its live list      -> entries e = 0..n-1 (logical idx t_e)
+              key_e, evictable_e, protected_e
+              the k lowest unprotected evictable (ties: earliest), then the
+              protected evictable earliest first  (selection_kernels.lowest)
+              sorted ascending, evicted in place  (table_kernels.evict_rows)
+
+It chooses exactly what `evict_batch` + `selection_kernels.lowest` choose
+(tests/runtime/test_eviction_kernels.py; `VTOKEN_CHECK_INTEGRITY=1` compares
+the two every step). Imported only with vToken on; compiled at import, as
+table_kernels.py is.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from vllm.vtoken.policies.selection_kernels import _FEW, _before
+
+_i64, _i32, _u64, _f32, _b1 = (
+    numba.int64[::1],
+    numba.int32[::1],
+    numba.uint64[::1],
+    numba.float32[::1],
+    numba.boolean[::1],
+)
+_jit = {"cache": True, "nogil": True}
+
+# LowestRule.key, as the loop reads it.
+KEYS = {"score": 0, "index": 1, "hash": 2}
+
+
+@numba.njit(numba.float64(numba.uint64, numba.int64, numba.int64), **_jit)
+def _hash_uniform(seed, idx, nonce):
+    """selection.hash_uniform of one token, to the bit (splitmix64)."""
+    x = seed ^ (numba.uint64(idx) * numba.uint64(0x9E3779B97F4A7C15))
+    x ^= numba.uint64(nonce) * numba.uint64(0xD1B54A32D192ED03)
+    x = (x ^ (x >> numba.uint64(30))) * numba.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> numba.uint64(27))) * numba.uint64(0x94D049BB133111EB)
+    x ^= x >> numba.uint64(31)
+    return np.float64(x >> numba.uint64(11)) / 9007199254740992.0  # 2 ** 53
+
+
+@numba.njit(
+    numba.types.UniTuple(_i64, 2)(
+        # the batch and the rule
+        _i64, _i64, _i64, _u64, numba.int64, numba.int64, numba.int64,
+        # the Token Tables (TokenTablePool's arena)
+        _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64,
+        # the running scores (ScoreAccumulator's arena; rows -1: none)
+        _i64, _i64, _i64, _f32,
+    ),
+    **_jit,
+)  # fmt: skip
+def evict_lowest(
+    rows, want, attended, seeds, key_kind, recent, sinks,
+    start, n_slotted, n_live, n_listed, listed, live, slot, block_live, block_size,
+    score_rows, score_start, score_cap, acc,
+):  # fmt: skip
+    """(counts, idx): row rows[i] loses up to want[i] live slotted tokens,
+    those a `LowestRule` (key_kind, recent, sinks) picks, tokens from
+    attended[i] - 1 on protected; idx lists them row by row, ascending.
+    Bits cleared, blocks uncounted, live lists compacted as evict_rows does."""
+    num = rows.size
+    longest = total = 0
+    for i in range(num):
+        longest = max(longest, n_listed[rows[i]])
+        total += max(want[i], 0)
+    counts, out = np.zeros(num, np.int64), np.empty(total, np.int64)
+    view = np.empty(longest, np.int64)  # the row's live tokens, in order
+    key = np.empty(longest, np.float64)
+    taken = np.zeros(longest, np.bool_)
+    cand = np.empty(longest, np.int64)
+    m = 0
+    for i in range(num):
+        r = rows[i]
+        base, end, k = start[r], n_slotted[r], max(want[i], 0)
+        n = 0
+        for j in range(base, base + n_listed[r]):
+            t = listed[j]
+            if t < end and live[base + t]:
+                view[n] = t
+                n += 1
+        if k == 0 or n == 0:
+            continue
+        # The view ascends, so the candidates (evictable, t < attended - 1;
+        # past the sinks; before the recent window) are one run [a, b).
+        last, a, b = attended[i] - 1, 0, n - recent
+        while a < n and view[a] < sinks:
+            a += 1
+        evictable = 0
+        while evictable < n and view[evictable] < last:
+            evictable += 1
+        b = min(b, evictable)
+        srow = score_rows[i] if key_kind == 0 else -1
+        sbase = score_start[srow] if srow >= 0 else 0
+        scap = score_cap[srow] if srow >= 0 else 0
+        nan = 0
+        for e in range(a, b):
+            t = view[e]
+            if key_kind == 0:
+                key[e] = acc[sbase + t] if t < scap else 0.0
+            elif key_kind == 1:
+                key[e] = np.float64(t)
+            else:
+                key[e] = _hash_uniform(seeds[i], t, view[n - 1])
+            nan += np.isnan(key[e])
+            taken[e] = False
+        first, lo = min(k, max(b - a, 0)), m
+        if first <= _FEW:  # k scans (_before: NaN after every number)
+            for _ in range(first):
+                best = -1
+                for e in range(a, b):
+                    if not taken[e] and (best < 0 or _before(key[e], key[best])):
+                        best = e
+                taken[best] = True
+                out[m] = view[best]
+                m += 1
+        else:  # a stable sort of the real keys, then the NaN ones in order
+            real = 0
+            for e in range(a, b):
+                if not np.isnan(key[e]):
+                    cand[real] = e
+                    real += 1
+            order = np.argsort(key[cand[:real]], kind="mergesort")
+            q = 0
+            while q < first and q < real:
+                out[m] = view[cand[order[q]]]
+                m += 1
+                q += 1
+            for e in range(a, b if nan else a):
+                if q >= first:
+                    break
+                if np.isnan(key[e]):
+                    out[m] = view[e]
+                    m += 1
+                    q += 1
+        left = k - first  # then the protected evictable ones, oldest first
+        for e in range(evictable):
+            if left == 0:
+                break
+            if e < a or e >= b:
+                out[m] = view[e]
+                m += 1
+                left -= 1
+        counts[i] = m - lo
+        for q in range(lo + 1, m):  # ascending (insertion: a few victims)
+            t, w = out[q], q
+            while w > lo and out[w - 1] > t:
+                out[w] = out[w - 1]
+                w -= 1
+            out[w] = t
+        for q in range(lo, m):
+            p = base + out[q]
+            live[p] = False
+            block_live[slot[p] // block_size] -= 1
+        n_live[r] -= m - lo
+        if n_listed[r] - n_live[r] >= max(n_live[r], 16):  # compact
+            w = base
+            for j in range(base, base + n_listed[r]):
+                t = listed[j]
+                listed[j] = -1
+                if live[base + t]:
+                    listed[w] = t
+                    w += 1
+            n_listed[r] = n_live[r]
+    return counts, out[:m]
