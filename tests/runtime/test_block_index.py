@@ -83,3 +83,23 @@ def test_finished_requests_indexes_are_dropped():
     index.get("new")
     assert len(index._index) <= 2 * len(lists) + 16
     assert index.find("r35", [36]) == [0]
+
+
+def test_null_at_frees_positional_blocks_and_keeps_the_index_true(monkeypatch):
+    shared = block(3, ref_cnt=2)
+    lists = {"a": [block(7), shared, block(9), block(4)]}
+    index = BlockIndex(lists, null_id=0)
+    index.get("a")  # indexed up to entry 3
+    lists["a"].append(block(5))  # appended since: not seen yet
+    # Blocks 5, 3, 7 at their tokens' entries 4, 1, 0: the shared one stays.
+    out = index.null_at("a", [4, 1, 0], [5, 3, 7], NULL)
+    assert [b.block_id for b in out] == [7, 5]  # in list order, as null_out
+    assert [b.block_id for b in lists["a"]] == [0, 3, 9, 4, 0]
+    monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
+    assert index.get("a").ids.tolist() == [0, 3, 9, 4, 0]
+    assert index.find("a", [7, 5, 9]) == [2]
+    # A block not at the entry given (compaction moved the token there):
+    # refused, nothing changed.
+    assert index.null_at("a", [3, 1], [4, 9], NULL) is None
+    assert [b.block_id for b in lists["a"]] == [0, 3, 9, 4, 0]
+    assert index.null_at("a", [9], [4], NULL) is None  # past the list

@@ -334,13 +334,14 @@ def test_read_keys_are_live_old_tokens_then_every_query():
     # new one; "b" decodes one token after 2 computed.
     pool.append("a", np.array([20, 21, 22, 23, 24]))
     pool.append("b", np.array([10]))
-    seg, idx, slot = read_keys(pool, pool.rows(["a", "b"]), np.array([0, 2]))
-    np.testing.assert_array_equal(seg, [0, 0, 0, 0, 0, 1, 1, 1])
+    counts, idx, slot = read_keys(pool, pool.rows(["a", "b"]), np.array([0, 2]))
+    np.testing.assert_array_equal(counts, [5, 3])
     np.testing.assert_array_equal(idx, [0, 1, 2, 3, 4, 0, 1, 2])  # dead 1 too
     np.testing.assert_array_equal(slot, [20, 21, 22, 23, 24, 8, 9, 10])
     pool.evict("b", np.array([0]))
-    seg, idx, slot = read_keys(pool, pool.rows(["b", "a"]), np.array([2, 5]))
-    np.testing.assert_array_equal(seg, [0, 0, 1, 1, 1, 1])
+    counts, idx, slot = read_keys(pool, pool.rows(["b", "a"]), np.array([2, 5]))
+    np.testing.assert_array_equal(counts, [2, 4])
+    assert slot.dtype == np.int64
     np.testing.assert_array_equal(idx, [1, 2, 0, 2, 3, 4])  # b's dead 0 out
     np.testing.assert_array_equal(slot, [9, 10, 20, 22, 23, 24])
 
@@ -391,6 +392,21 @@ def test_compiled_batch_ops_agree_with_a_dense_recount(seed):
             pick = rng.random(idx.size) < rng.random()
             counts = np.bincount(seg[pick], minlength=len(rids))
             pool.evict_rows(rows, np.r_[0, np.cumsum(counts)], idx[pick])
+            # The full blocks they emptied, against NumPy.
+            dseg, dead = seg[pick], idx[pick]
+            full = dead < (pool.num_slotted_rows(rows) // B * B)[dseg]
+            blk = pool.tokens_at(rows, dseg[full], dead[full]) // B
+            key = np.unique((dseg[full] * 4096 + blk)[pool.block_live[blk] == 0])
+            got = pool.emptied_blocks(rows, dseg, dead)
+            assert [x.tolist() for x in got[:2]] == [
+                (key // 4096).tolist(),
+                (key % 4096).tolist(),
+            ]
+            # Each with the positional entry of a token it held.
+            for g, b, e in zip(*got, strict=True):
+                mine = dead[dseg == g]
+                where = pool.tokens_at(rows, np.full(mine.size, g), mine) // B
+                assert e in (mine[where == b] // B).tolist()
         else:
             pool.reset_slots(rids[0]) if rng.random() < 0.7 else pool.release(rids[0])
             if rids[0] not in pool:

@@ -107,6 +107,31 @@ class BlockIndex:
                 out.append(block)
         return out
 
+    def null_at(
+        self, rid: str, entries: list[int], ids: list[int], null: KVCacheBlock
+    ) -> list[KVCacheBlock] | None:
+        """`null_out(rid, ids, null, unshared_only=True)` where block ids[i] is
+        at entries[i] of the list, as where its tokens were written (no
+        compaction moved it): checked, then done without the index's
+        catch-up. None, and nothing done, if one is elsewhere."""
+        blocks = self._lists[rid]
+        n = len(blocks)
+        at = zip(entries, ids, strict=True)
+        if not all(e < n and blocks[e].block_id == b for e, b in at):
+            return None
+        index, out = self._index.get(rid), []
+        if index is not None and index.blocks is not blocks:
+            index = None
+        for e in sorted(entries):  # in list order, as null_out
+            block = blocks[e]
+            if block.ref_cnt == 1:
+                if index is not None and e < index.ids.size:  # seen: keep it so
+                    del index.at[block.block_id]
+                    index.ids[e] = null.block_id
+                blocks[e] = null
+                out.append(block)
+        return out
+
     def _locate(self, rid: str, ids: list[int]) -> tuple[Positions, list[int]]:
         """(`rid`'s index, caught up; `find`'s entries)."""
         blocks = self._lists[rid]

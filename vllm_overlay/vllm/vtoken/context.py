@@ -68,20 +68,23 @@ def read_keys(pool, rows: np.ndarray, computed: np.ndarray):
     """The keys a step's token read attends to, for Token Table rows `rows`
     (distinct) of `pool` (a TokenTablePool): each row's live tokens before
     computed[i], then every token from there to its slotted end (the step's
-    queries, dead ones too: a resumed request recomputes them). Returns (seg,
-    idx, slot), int64, in logical order per row (`pool.live_tokens`'s)."""
+    queries, dead ones too: a resumed request recomputes them). Returns
+    (counts, idx, slot): per row its number of keys, then their logical
+    indices and slots, int64, in logical order per row."""
     rows, computed = np.asarray(rows, np.int64), np.asarray(computed, np.int64)
-    seg, idx, slot = pool.live_tokens(rows)
-    old = idx < computed[seg]
+    counts, idx, slot, queries = pool.read_walk(rows, computed)
     num_q = pool.num_slotted_rows(rows) - computed
-    if idx.size - np.count_nonzero(old) == num_q.sum():
-        return seg, idx, slot.astype(np.int64)  # every query is live: listed
+    if queries == num_q.sum():
+        return counts, idx, slot  # every query is live: listed
     # A resumed request recomputes dead tokens (rare): its old live tokens,
     # then every query, each row in logical order.
+    seg = np.arange(rows.size).repeat(counts)
+    old = idx < computed[seg]
     q_seg, q_k = segments(num_q)
     q_idx = computed[q_seg] + q_k
     seg = np.concatenate([seg[old], q_seg])
     idx = np.concatenate([idx[old], q_idx])
     slot = np.concatenate([slot[old], pool.tokens_at(rows, q_seg, q_idx)])
     order = np.lexsort((idx, seg))
-    return seg[order], idx[order], slot[order].astype(np.int64)
+    counts = np.bincount(seg, minlength=rows.size)
+    return counts, idx[order], slot[order].astype(np.int64)

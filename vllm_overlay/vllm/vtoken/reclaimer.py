@@ -105,29 +105,32 @@ class BlockReclaimer:
         the batch at once: tokens dead[j] of request rids[seg[j]] died (int
         arrays); `recs` holds their RequestStates; `rows`: their Token Table
         rows, when the caller has them."""
-        B, pool = self.block_size, self.pool
+        pool = self.pool
         rows = pool.rows(rids) if rows is None else rows
         # Only blocks every token of which has been written: a block still
         # being filled (e.g. by a chunked recompute) may get live tokens yet.
-        full = dead < (pool.num_slotted_rows(rows) // B * B)[seg]
-        seg, blk = seg[full], pool.tokens_at(rows, seg[full], dead[full]) // B
-        empty = pool.block_live[blk] == 0
-        if not empty.any():
-            return
         # Each (request, block) once, by request then block id.
-        key = np.unique(seg[empty] * pool.num_blocks + blk[empty])
-        seg, blk = key // pool.num_blocks, key % pool.num_blocks
+        seg, blk, entry = pool.emptied_blocks(rows, seg, dead)
+        if not seg.size:
+            return
         if self._busy:  # a copy in flight may fill it yet (or frees it)
             busy = self._busy.__contains__
             idle = ~np.fromiter(map(busy, blk.tolist()), bool, blk.size)
             if not idle.any():
                 return
-            seg, blk = seg[idle], blk[idle]
+            seg, blk, entry = seg[idle], blk[idle], entry[idle]
         reqs, cut = np.unique(seg, return_index=True)  # seg is sorted
-        cut, freed = cut.tolist(), []
-        for k, lo, hi in zip(reqs.tolist(), cut, cut[1:] + [seg.size], strict=True):
-            rid, ids = rids[k], blk[lo:hi].tolist()
-            freed += self._null_out(rid, recs[rid], ids, unshared_only=True)
+        cut, freed, null = cut.tolist(), [], self.block_pool.null_block
+        blk, entry = blk.tolist(), entry.tolist()
+        for k, lo, hi in zip(reqs.tolist(), cut, cut[1:] + [len(blk)], strict=True):
+            rid, rec, ids = rids[k], recs[rids[k]], blk[lo:hi]
+            # Mostly where their tokens were written (null_at: no index).
+            out = self.blocks.null_at(rid, entry[lo:hi], ids, null)
+            if out is None:
+                out = self._null_out(rid, rec, ids, unshared_only=True)
+            else:
+                rec.nulls += len(out)
+            freed += out
         self._free(freed)
 
     def release_blocks(
@@ -220,6 +223,11 @@ class BlockReclaimer:
         due = [r for r in due if r in reqs and r in requests and r in scheduled]
         rows = pool.rows(due)
         since = pool.dead_since_mark_rows(rows)
+        # Holes are dead tokens' slots in blocks still held: at most the dead
+        # tokens less a block per null-replaced one. Freeing a block takes a
+        # block's worth of holes (planner.py), so with fewer the request is
+        # planned without reading its blocks: nothing to move.
+        dead = pool.num_tokens_rows(rows) - pool.num_live_rows(rows)
         rids, ids, heads, planned = [], [], [], []
         for k in np.argsort(rows).tolist():  # in row order: reproducible
             rid, rec = due[k], reqs[due[k]]
@@ -231,6 +239,11 @@ class BlockReclaimer:
                 self.counters.deferred_plans += 1
                 continue
             planned.append(rows[k])
+            assert not integrity.CHECK or rec.nulls == sum(
+                b.is_null for b in self.positional(rid)
+            ), f"{rid}: null blocks miscounted"
+            if dead[k] - rec.nulls * B < B:
+                continue
             rids.append(rid)
             req = requests[rid]
             # Full blocks written before this step; the tail is being filled.
@@ -241,9 +254,9 @@ class BlockReclaimer:
             upto = nfull if index.cached_upto is None else index.cached_upto
             upto = upto if self._caching else 0
             heads.append(self.positional(rid)[: min(upto, nfull)])
+        pool.mark_rows(np.asarray(planned, np.int64))
         if not rids:
             return None
-        pool.mark_rows(np.asarray(planned, np.int64))
         counts = np.fromiter(map(len, ids), np.int64, len(ids))
         ids = np.concatenate(ids)
         head = list(chain.from_iterable(heads))

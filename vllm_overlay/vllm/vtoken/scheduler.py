@@ -26,9 +26,10 @@ Per step, for the whole batch at once (docs/DESIGN.md §7.1):
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from itertools import chain, compress
-from operator import attrgetter, getitem
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -114,6 +115,9 @@ class VTokenScheduler:
         # Requests freed so far, and as of the last eviction: end_step checks
         # its dead lists for finished requests only when some finished since.
         self._num_freed = self._freed_at_evict = 0
+        self._freed_by_step: deque[int] = deque()  # _num_freed as each step
+        # was scheduled, until its output: on_output folds scores of the
+        # known requests only when one was freed since
         self.counters = VTokenCounters()
         self._last_counters = VTokenCounters()
         self.reclaimer = BlockReclaimer(
@@ -189,6 +193,7 @@ class VTokenScheduler:
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
         """Slot this step's tokens, plan compaction, build the worker's message."""
         self._num_steps += 1
+        self._freed_by_step.append(self._num_freed)
         self._sync_slots(so.num_scheduled_tokens)
         moves = None
         if self.cfg.compaction and self._plan_due:
@@ -227,10 +232,15 @@ class VTokenScheduler:
         k = self._num_outputs = self._num_outputs + 1  # batch k's output
         stale = {r for r, n in self._stale.items() if n >= k}
         self._stale = {r: n for r, n in self._stale.items() if n > k}
+        freed = self._freed_by_step.popleft() if self._freed_by_step else -1
         if out is None:
             return
         if out.scores is not None and self._scores is not None:
+            # Batch k's requests are all known still, unless one was freed
+            # since it was scheduled: then only the known ones fold.
             known = self._reqs.keys() - stale if stale else self._reqs
+            if not stale and freed == self._num_freed:
+                known = None
             self._scores.fold(out.scores, known=known)
         self.counters.copy_bytes = out.copy_bytes
         self.counters.worker_ns = out.host_ns
@@ -341,7 +351,17 @@ class VTokenScheduler:
         if not grow.all():
             blocks = list(compress(blocks, grow.tolist()))
         if (first == last).all():  # decode: one block each
-            ids = list(map(_BLOCK_ID, map(getitem, blocks, first.tolist())))
+            # Mostly the block of the last token slotted (the tail, which
+            # nothing frees or moves); vLLM's object only for a block's first.
+            ids = np.empty(len(rids), np.int64)
+            tail = (start % B != 0).nonzero()[0]
+            ids[tail] = pool.tokens_at(rows, tail, start[tail] - 1) // B
+            head = (start % B == 0).nonzero()[0]
+            at = zip(head.tolist(), first[head].tolist(), strict=True)
+            ids[head] = [blocks[i][f].block_id for i, f in at]
+            assert not integrity.CHECK or ids.tolist() == [
+                b[f].block_id for b, f in zip(blocks, first.tolist(), strict=True)
+            ], "the tail block's id is not the last slotted token's"
         else:
             spans = zip(blocks, first.tolist(), (last + 1).tolist(), strict=True)
             ids = [x.block_id for b, f, e in spans for x in b[f:e]]
@@ -401,4 +421,3 @@ _COMPUTED = attrgetter("num_computed_tokens")
 _PROMPT = attrgetter("num_prompt_tokens")
 _ALL_TOKENS = attrgetter("_all_token_ids")
 _REQ_ID = attrgetter("request_id")
-_BLOCK_ID = attrgetter("block_id")

@@ -47,6 +47,39 @@ def live_tokens(rows, start, n_listed, n_slotted, listed, live, slot):
     return seg[:m], idx[:m], out[:m]
 
 
+@numba.njit(
+    numba.types.Tuple((_i64, _i64, _i64, numba.int64))(
+        _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32
+    ),
+    **_jit,
+)
+def read_walk(rows, computed, start, n_listed, n_slotted, listed, live, slot):
+    """`live_tokens` for the token read (context.read_keys): (counts, idx,
+    slot, queries), per row i its number of live slotted tokens, their
+    logical indices and slots (int64, the read's index type), and how many
+    of them, over all rows, are at or past computed[i] (the step's queries)."""
+    n = 0
+    for r in rows:
+        n += n_listed[r]
+    counts, idx, out = (
+        np.zeros(rows.size, np.int64),
+        np.empty(n, np.int64),
+        np.empty(n, np.int64),
+    )
+    m = queries = 0
+    for i in range(rows.size):
+        r = rows[i]
+        base, end, lo = start[r], n_slotted[r], m
+        for j in range(base, base + n_listed[r]):
+            t = listed[j]
+            if t < end and live[base + t]:
+                idx[m], out[m] = t, slot[base + t]
+                queries += t >= computed[i]
+                m += 1
+        counts[i] = m - lo
+    return counts, idx[:m], out[:m], queries
+
+
 @numba.njit(numba.int64(*[_i64] * 8, _i32, _b1, _i32, _i32, numba.int64), **_jit)
 def append_rows(
     rows, counts, slots, start, n_tokens, n_slotted, n_live, n_listed,
@@ -114,3 +147,35 @@ def evict_rows(
                     m += 1
             n_listed[r] = n_live[r]
     return -1
+
+
+@numba.njit(
+    numba.types.UniTuple(_i64, 3)(
+        _i64, _i64, _i64, _i64, _i64, _i32, _i32, numba.int64, numba.int64
+    ),
+    **_jit,
+)
+def emptied_blocks(rows, seg, idx, start, n_slotted, slot, block_live, B, num_blocks):
+    """(seg, blk, entry): the full blocks left without a live token holding
+    tokens idx[j] of rows[seg[j]] (just evicted), each (seg, block) once,
+    sorted by seg then block (BlockReclaimer.free_empty_blocks); `entry`:
+    where one of those tokens was written in the positional list (idx // B),
+    the block's entry unless compaction moved the token there."""
+    keys, at = np.empty(idx.size, np.int64), np.empty(idx.size, np.int64)
+    n = 0
+    for j in range(idx.size):
+        r = rows[seg[j]]
+        if idx[j] < n_slotted[r] // B * B:  # a full block: written to the end
+            b = slot[start[r] + idx[j]] // B
+            if block_live[b] == 0:
+                keys[n], at[n] = seg[j] * num_blocks + b, idx[j] // B
+                n += 1
+    order = np.argsort(keys[:n], kind="mergesort")
+    out, entry = np.empty(n, np.int64), np.empty(n, np.int64)
+    m = 0
+    for q in range(n):  # unique keys, each with its first token's entry
+        j = order[q]
+        if m == 0 or keys[j] != out[m - 1]:
+            out[m], entry[m] = keys[j], at[j]
+            m += 1
+    return out[:m] // num_blocks, out[:m] % num_blocks, entry[:m]

@@ -148,6 +148,29 @@ class TokenTablePool:
             c["n_slotted"], a["listed"], a["live"], a["slot"],
         )  # fmt: skip
 
+    def emptied_blocks(self, rows: np.ndarray, seg: np.ndarray, idx: np.ndarray):
+        """(seg, blk, entry): for tokens idx[j] of rows[seg[j]] (just
+        evicted), the full blocks they leave without a live token, each
+        (seg, blk) once, by seg then block id, with the positional entry
+        (idx // B) of one of the tokens (table_kernels.emptied_blocks)."""
+        return self._k.emptied_blocks(
+            np.asarray(rows, np.int64), np.asarray(seg, np.int64),
+            np.asarray(idx, np.int64), self._a.start, self._n_slotted,
+            self._slot, self.block_live, self.block_size, self.num_blocks,
+        )  # fmt: skip
+
+    def read_walk(self, rows: np.ndarray, computed: np.ndarray):
+        """`live_tokens` of `rows` for the token read: (counts, idx, slot,
+        queries), per row its number of live tokens, their logical indices
+        and slots (int64), and how many are at or past computed[i], over
+        all rows (table_kernels.read_walk)."""
+        a, c = self._a.data, self._a.cols
+        return self._k.read_walk(
+            np.asarray(rows, np.int64), np.asarray(computed, np.int64),
+            self._a.start, c["n_listed"], c["n_slotted"], a["listed"],
+            a["live"], a["slot"],
+        )  # fmt: skip
+
     def tokens_at(self, rows: np.ndarray, seg: np.ndarray, idx) -> np.ndarray:
         """int32: the slots of tokens idx[j] of rows[seg[j]]."""
         return self._slot[self._a.start[np.asarray(rows)[seg]] + idx]

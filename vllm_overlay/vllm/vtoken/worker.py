@@ -229,9 +229,9 @@ class VTokenWorker:
         # its KV; it is attended this once and stays dead afterwards. Rows not
         # read get no keys: vLLM's kernel reads their positional KV.
         read = reads.nonzero()[0]
-        seg, idx, kv_np = read_keys(pool, rows[read], computed[read])
+        counts_read, idx, kv_np = read_keys(pool, rows[read], computed[read])
         num_keys = np.zeros(num_reqs, dtype=np.int64)
-        num_keys[read] = np.bincount(seg, minlength=read.size)
+        num_keys[read] = counts_read
         kv_indptr = indptr_of(num_keys)
         score_rows = None
         if self.scores is not None:
