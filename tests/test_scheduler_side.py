@@ -472,13 +472,17 @@ def test_a_plan_whose_sources_hold_no_live_token_frees_them_without_moves():
     vt.check_integrity()
 
 
-def test_no_eviction_while_the_requests_last_step_is_in_flight():
+@pytest.mark.parametrize("check", [True, False])
+def test_no_eviction_while_the_requests_last_step_is_in_flight(check, monkeypatch):
     """Under PP vLLM schedules the next batch before the last one's output
     arrives: a request whose step is in flight (every known token computed)
     waits for that step's scores before its policy runs. It evicted with
-    stale (here: no) scores, and PP=2 evicted other tokens than one rank."""
+    stale (here: no) scores, and PP=2 evicted other tokens than one rank.
+    Without the deep checks, the tokens are read only with a batch in flight."""
+    from vllm.vtoken import integrity
     from vllm.vtoken.messages import VTokenWorkerOutput
 
+    monkeypatch.setattr(integrity, "CHECK", check)
     kv, vt, req = setup("vtoken")
     vt.begin_step([])
     assert kv.allocate_slots(req, 12) is not None
@@ -557,3 +561,59 @@ def test_a_chunked_recompute_scores_persistence_as_one_step(chunks):
         vt.on_output(VTokenWorkerOutput(scores=gains))
         vt.check_integrity()
     np.testing.assert_allclose(vt.scores.scores("A", np.arange(total)), 1 / 4)
+
+
+def test_scores_of_a_request_that_finished_with_its_step_in_flight_stay_gone():
+    """A request aborted after its step was scheduled, before that step's
+    output: the output's gains for it are not folded (they would make it a
+    score row again, and leak into a request later given the same row)."""
+    from vllm.vtoken.messages import ScoreStep, VTokenWorkerOutput
+
+    kv, vt, req = setup("vtoken", policy="h2o")
+    vt.begin_step([])
+    assert kv.allocate_slots(req, 12) is not None
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 12}))
+    vt.on_free(req)  # aborted while the step is in flight
+    kv.free(req)
+    gains = ScoreStep(
+        req_ids=["A"],
+        indptr=np.array([0, 12]),
+        key_idx=np.arange(12),
+        gain=np.ones(12, np.float32),
+    )
+    vt.on_output(VTokenWorkerOutput(scores=gains))
+    assert "A" not in vt.scores._acc.index
+    assert not vt.scores.scores("A", np.arange(12)).any()
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_prefix_cache_hit_is_slotted_where_vllm_wrote_it(check, monkeypatch):
+    """A new request whose prompt hits the prefix cache: its hit tokens are
+    computed but not slotted yet, so its first step slots them from vLLM's
+    computed-token count (not from its slotted ones, which are none)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", check)
+    kv, vt, req = setup("vtoken", caching=True, budget=32)
+    step(kv, vt, req, 12, running=[])  # A's 12 prompt tokens: 3 blocks cached
+    hasher = get_request_block_hasher(B, sha256)
+    other = Request(
+        "B", list(range(100, 114)), SamplingParams(max_tokens=4), None,
+        block_hasher=hasher,
+    )  # fmt: skip
+    vt._requests["B"] = other
+    blocks, hits = kv.get_computed_blocks(other)
+    assert hits == 12
+    vt.begin_step([req])
+    assert kv.allocate_slots(other, 2, hits, blocks) is not None
+    other.num_computed_tokens = hits
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"B": 2}))
+    ids = kv.get_block_ids("B")[0]
+    want = [ids[i // B] * B + i % B for i in range(14)]
+    assert vt.pool.slots("B").tolist() == want
+    assert ids[:3] == kv.get_block_ids("A")[0][:3]  # the shared prefix
+    vt.check_integrity()

@@ -126,8 +126,11 @@ class BlockIndex:
             block = blocks[e]
             if block.ref_cnt == 1:
                 if index is not None and e < index.ids.size:  # seen: keep it so
-                    del index.at[block.block_id]
-                    index.ids[e] = null.block_id
+                    if index.at.pop(block.block_id, None) != e:  # changed unseen
+                        del self._index[rid]  # indexed afresh when next asked
+                        index = None
+                    else:
+                        index.ids[e] = null.block_id
                 blocks[e] = null
                 out.append(block)
         return out

@@ -140,8 +140,11 @@ def build_cpu_read_plan(
         kv_loc, decode, slots, width, block_shift(block_size), num_kv_heads
     )
     # Every key read, decode requests' first (row-major over `valid`).
-    read_order = np.concatenate([decode, others])
-    score_pos = ranges(kv_loc[read_order], num_k[read_order])
+    if others.size:
+        read_order = np.concatenate([decode, others])
+        score_pos = ranges(kv_loc[read_order], num_k[read_order])
+    else:  # decode only: every key, in kv_slots' order
+        score_pos = np.arange(slots.size, dtype=np.int64)
     sel = score_pos[score_pos.size - int(num_k[others].sum()) :]
     if write is None:
         write = np.ones(len(num_q), dtype=bool)

@@ -272,7 +272,8 @@ class EvictionRuntime:
         evictable = idx < (attended - 1)[seg]
         seeds = self._by_row["seed"][rows].astype(np.uint64)
         rngs = _Generators(self._reqs, ids)
-        batch = BatchView(ids, indptr, seg, idx, evictable, scores, seeds, rngs)
+        # A copy of the ids: a step's list may be kept for the next (BatchMemo).
+        batch = BatchView(list(ids), indptr, seg, idx, evictable, scores, seeds, rngs)
         counts, chosen = policy.evict_batch(batch, excess)
         counts, chosen = np.asarray(counts, np.int64), np.asarray(chosen, np.int64)
         cseg = np.arange(counts.size).repeat(counts)

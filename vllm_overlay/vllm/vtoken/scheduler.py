@@ -214,7 +214,7 @@ class VTokenScheduler:
         idx = np.concatenate([c[2] for c in chunks] + [np.zeros(0, np.int64)])
         if self._num_freed != self._freed_at_evict and not all(
             map(self._reqs.__contains__, ids)
-        ):  # finished since
+        ):  # finished since (a step frees none between its two hooks today)
             gone = [r not in self._reqs for r in ids]
             keep = ~np.asarray(gone)
             idx = idx[np.repeat(keep, counts)]
