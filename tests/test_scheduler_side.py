@@ -466,7 +466,8 @@ def test_a_plan_whose_sources_hold_no_live_token_frees_them_without_moves():
         dst_block_ids=np.array([blocks[0].block_id], np.int32),
         num_fresh=np.array([0]),
     )
-    assert vt.reclaimer._bind(plan, [vt._reqs["A"]], ["A"]) is None
+    entry_of = {blocks[0].block_id: 0, src: 1}
+    assert vt.reclaimer._bind(plan, [vt._reqs["A"]], ["A"], entry_of) is None
     assert vt.reclaimer.positional("A")[1].is_null
     assert kv.block_pool.get_num_free_blocks() == free + 1
     vt.check_integrity()

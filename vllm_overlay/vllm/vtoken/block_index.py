@@ -108,12 +108,17 @@ class BlockIndex:
         return out
 
     def null_at(
-        self, rid: str, entries: list[int], ids: list[int], null: KVCacheBlock
+        self,
+        rid: str,
+        entries: list[int],
+        ids: list[int],
+        null: KVCacheBlock,
+        unshared_only: bool = True,
     ) -> list[KVCacheBlock] | None:
-        """`null_out(rid, ids, null, unshared_only=True)` where block ids[i] is
-        at entries[i] of the list, as where its tokens were written (no
-        compaction moved it): checked, then done without the index's
-        catch-up. None, and nothing done, if one is elsewhere."""
+        """`null_out(rid, ids, null, unshared_only)` where block ids[i] is at
+        entries[i] of the list (where its tokens were written, or where the
+        planner found it): checked, then done without the index's catch-up.
+        None, and nothing done, if one is elsewhere."""
         blocks = self._lists[rid]
         n = len(blocks)
         at = zip(entries, ids, strict=True)
@@ -124,7 +129,7 @@ class BlockIndex:
             index = None
         for e in sorted(entries):  # in list order, as null_out
             block = blocks[e]
-            if block.ref_cnt == 1:
+            if not unshared_only or block.ref_cnt == 1:
                 if index is not None and e < index.ids.size:  # seen: keep it so
                     if index.at.pop(block.block_id, None) != e:  # changed unseen
                         del self._index[rid]  # indexed afresh when next asked

@@ -167,15 +167,25 @@ class BlockReclaimer:
         """The request's part of its acknowledged batch: free the sources, and
         the destinations left without a live token (every token in them died
         while the copy was in flight: busy, free_empty_blocks kept them)."""
-        self._unbusy(rec.move_batch, [b.block_id for b in rec.move_src])
-        self.release_blocks(rid, rec, rec.move_src)
+        src = [b.block_id for b in rec.move_src]
+        self._unbusy(rec.move_batch, src)
+        # Null-replaced where the planner found them, but the displaced ones
+        # (first: not in the list); all freed.
+        k = len(rec.move_detached)
+        null = self.block_pool.null_block
+        out = self.blocks.null_at(rid, rec.move_src_at[k:], src[k:], null, False)
+        if out is None:
+            self._null_out(rid, rec, src)
+        else:
+            rec.nulls += len(out)
+        self._free(rec.move_src)
         dead = rec.move_dst[self.pool.block_live[rec.move_dst] == 0]
         if dead.size:
             self._free(self._null_out(rid, rec, dead.tolist(), unshared_only=True))
         # The fresh blocks that replaced displaced sources were taken from the pool.
         self.counters.reclaimed_blocks -= len(rec.move_detached)
         rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
-        rec.move_detached, rec.move_fresh = [], []
+        rec.move_src_at, rec.move_detached, rec.move_fresh = [], [], []
 
     def drop_moves(self, rid: str, rec: RequestState) -> None:
         """Forget a request's in-flight moves; vLLM frees its blocks next.
@@ -196,7 +206,7 @@ class BlockReclaimer:
             self.blocks.replace(rid, i, source)
         self.block_pool.free_blocks(rec.move_fresh)
         rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
-        rec.move_detached, rec.move_fresh = [], []
+        rec.move_src_at, rec.move_detached, rec.move_fresh = [], [], []
 
     def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
         for b in block_ids:
@@ -306,12 +316,18 @@ class BlockReclaimer:
             plan = plan_blocks(dst_priority=prio, **common)
         if len(plan.req_index) == 0:
             return None
-        return self._bind(plan, [reqs[rid] for rid in rids], rids)
+        entry_of = dict(zip(ids[keep].tolist(), pos.tolist(), strict=True))
+        return self._bind(plan, [reqs[rid] for rid in rids], rids, entry_of)
 
     def _bind(
-        self, plan: BlockPlan, recs: list[RequestState], rids: list[str]
+        self,
+        plan: BlockPlan,
+        recs: list[RequestState],
+        rids: list[str],
+        entry_of: dict[int, int],
     ) -> MoveBatch | None:
-        """Turn a block plan into slot moves; free blocks that need none."""
+        """Turn a block plan into slot moves; free blocks that need none.
+        `entry_of`: each planned block's entry in its request's list."""
         B = self.block_size
         by_id = self.block_pool.blocks
         batch_id = self._next_batch_id
@@ -329,7 +345,7 @@ class BlockReclaimer:
         )
         # Blocks written, per request (its moves fill them one after another).
         blk = m.dst_slots // B
-        first = np.flatnonzero(np.r_[blk[:1] >= 0, blk[1:] != blk[:-1]])
+        first = np.flatnonzero(np.concatenate([blk[:1] >= 0, blk[1:] != blk[:-1]]))
         dst_blocks, dst_at = blk[first], np.searchsorted(first, m.indptr)
         # A destination's content changes: it must leave the prefix cache
         # (sources keep theirs intact, so a later hit on them stays valid).
@@ -348,6 +364,7 @@ class BlockReclaimer:
                 self.block_pool.free_blocks(new)  # nothing to evacuate into
                 continue
             rec.move_batch, rec.move_src = batch_id, src_blocks
+            rec.move_src_at = [entry_of[b] for b in ids]
             rec.move_dst = dst_blocks[dst_at[k] : dst_at[k + 1]]
             busy += ids
             # Cached sources come first in a plan around the cache.

@@ -31,6 +31,7 @@ class RequestState:
     # the batch's blocks (sources and destinations) are not freed, until acked.
     move_batch: int | None = None
     move_src: list[KVCacheBlock] = field(default_factory=list)
+    move_src_at: list[int] = field(default_factory=list)  # their list entries
     move_dst: np.ndarray = field(default_factory=lambda: NO_BLOCKS)
     # Evacuated sources a fresh block displaced from the positional list: the
     # batch alone holds them (reclaimer.py), so vLLM's free does not see them;
