@@ -19,6 +19,7 @@ RULES = {
     "streamingllm": {"num_sinks": 1},
     "random": {},
     "snapkv": {"window": 3},
+    "scissorhands": {"recent_ratio": 0.25, "history_window": 3},
 }
 
 
@@ -77,9 +78,9 @@ def test_the_rule_evicts_what_evict_batch_does(name, seed, budget, monkeypatch):
     for pol in (policy, generic(policy)):
         if name == "snapkv":  # past their first eviction: the decode rule
             pol._pooled.update(f"r{i}" for i in range(30))
-        assert isinstance(pol.lowest_rule(["r0"]), LowestRule)
         rng = np.random.default_rng(seed)
         rt, rids = build(pol, rng, 30, scored={f"r{i}" for i in range(0, 30, 2)})
+        assert isinstance(pol.lowest_rule(rids), LowestRule)
         attended = rng.integers(0, 32, len(rids))
         which, counts, idx = rt.enforce_budgets(rids, attended)
         out.append((which.tolist(), counts.tolist(), idx.tolist()))

@@ -45,3 +45,23 @@ def test_folds_and_reads_equal_a_per_request_reference(window):
             for s, i in zip(seg, q_idx, strict=True)
         ]
         np.testing.assert_array_equal(got, np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_compiled_persistence_gain_is_the_numpy_one(seed):
+    # A key is important when mass * keys >= norm * queries (float64), ties
+    # included: integer masses make exact ties common.
+    from vllm.vtoken import fold_kernels
+
+    rng = np.random.default_rng(seed)
+    klen = rng.integers(0, 40, 30)
+    indptr = np.r_[0, np.cumsum(klen)]
+    mass = rng.integers(0, 6, indptr[-1]).astype(np.float32)
+    mass[rng.random(mass.size) < 0.5] *= 0.37
+    queries = rng.integers(1, 5, klen.size)
+    norm = float(rng.integers(1, 9))
+    want = mass * np.repeat(klen, klen) >= norm * np.repeat(queries, klen)
+    got = fold_kernels.persistence_gain(mass, indptr, queries, norm)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    assert 0 < got.sum() < got.size

@@ -173,8 +173,10 @@ class EvictionRuntime:
             policy = self._by_index[p]
             if policy is None or not _syncs(policy):
                 continue
-            sel = np.flatnonzero((pix == p) & (num_new > 0))  # new tokens only
-            ids = [req_ids[i] for i in sel]
+            sel = ((pix == p) & (num_new > 0)).nonzero()[0]  # new tokens only
+            ids = (
+                list(req_ids) if sel.size == len(req_ids) else [req_ids[i] for i in sel]
+            )
             policy.sync_batch(
                 ids,
                 num_new[sel],
@@ -245,9 +247,10 @@ class EvictionRuntime:
         (counts, idx), idx ascending per request. A built-in's rule in one
         compiled pass; else its `evict_batch` over a `BatchView`."""
         rule = policy.lowest_rule(ids) if is_builtin(policy) else None
-        if rule is not None and (rule.key != "score" or self.score_arena):
+        scored = rule is not None and rule.key in ("score", "persistence")
+        if rule is not None and (not scored or self.score_arena):
             seeds = self._by_row["seed"][rows]
-            arena = self.score_arena(ids) if rule.key == "score" else None
+            arena = self.score_arena(ids) if scored else None
             if integrity.CHECK:  # the rule chooses what evict_batch does
                 want = self._choose(policy, ids, rows, attended, excess)[1:]
             counts, idx = self.pool.evict_lowest(

@@ -29,17 +29,18 @@ import numpy as np
 
 from vllm.vtoken.policies.selection_kernels import _FEW, _before
 
-_i64, _i32, _u64, _f32, _b1 = (
+_i64, _i32, _u64, _f32, _f64, _b1 = (
     numba.int64[::1],
     numba.int32[::1],
     numba.uint64[::1],
     numba.float32[::1],
+    numba.float64[::1],
     numba.boolean[::1],
 )
 _jit = {"cache": True, "nogil": True}
 
 # LowestRule.key, as the loop reads it.
-KEYS = {"score": 0, "index": 1, "hash": 2}
+KEYS = {"score": 0, "index": 1, "hash": 2, "persistence": 3}
 
 
 @numba.njit(numba.float64(numba.uint64, numba.int64, numba.int64), **_jit)
@@ -53,6 +54,26 @@ def _hash_uniform(seed, idx, nonce):
     return np.float64(x >> numba.uint64(11)) / 9007199254740992.0  # 2 ** 53
 
 
+@numba.njit(numba.float64(numba.int64, numba.int64), **_jit)
+def _seen(age, window):
+    """The weight a moving average over `window` steps has seen after `age`
+    (as ScissorhandsPolicy.evict_batch computes it, to the bit)."""
+    return 1.0 - (1.0 - 1.0 / window) ** np.float64(age)
+
+
+@numba.njit(numba.float64(numba.float64, numba.int64, numba.int64, _f64), **_jit)
+def _unimportance(score, age, window, seen_at):
+    """ScissorhandsPolicy.evict_batch's key of one token, to the bit: minus
+    how many of its last min(age, window) steps it was unimportant.
+    `seen_at`: _seen by age, for the ages below its size (a pow each is
+    most of the pass)."""
+    seen = seen_at[age] if age < seen_at.size else _seen(age, window)
+    rate = score / seen
+    if rate > 1.0:  # np.minimum: NaN stays NaN
+        rate = 1.0
+    return -(np.float64(min(age, window)) * (1.0 - rate))
+
+
 @numba.njit(
     numba.types.UniTuple(_i64, 2)(
         # the batch and the rule
@@ -61,6 +82,8 @@ def _hash_uniform(seed, idx, nonce):
         _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64,
         # the running scores (ScoreAccumulator's arena; rows -1: none)
         _i64, _i64, _i64, _f32,
+        # "persistence": the window and the arrival steps (ArrivalSteps')
+        numba.int64, _i64, _i64, _i64, _i64,
     ),
     **_jit,
 )  # fmt: skip
@@ -68,9 +91,10 @@ def evict_lowest(
     rows, want, attended, seeds, key_kind, recent, sinks,
     start, n_slotted, n_live, n_listed, listed, live, slot, block_live, block_size,
     score_rows, score_start, score_cap, acc,
+    window, age_rows, age_start, born, age_step,
 ):  # fmt: skip
     """(counts, idx): row rows[i] loses up to want[i] live slotted tokens,
-    those a `LowestRule` (key_kind, recent, sinks) picks, tokens from
+    those a `LowestRule` (key_kind, recent, sinks, window) picks, tokens from
     attended[i] - 1 on protected; idx lists them row by row, ascending.
     Bits cleared, blocks uncounted, live lists compacted as evict_rows does."""
     num = rows.size
@@ -79,6 +103,13 @@ def evict_lowest(
         longest = max(longest, n_listed[rows[i]])
         total += max(want[i], 0)
     counts, out = np.zeros(num, np.int64), np.empty(total, np.int64)
+    oldest = 0  # "persistence": _seen of every age up to the batch's oldest
+    if key_kind == 3:
+        for i in range(num):
+            oldest = max(oldest, age_step[age_rows[i]] + 1)
+    seen_at = np.empty(min(oldest, 4096), np.float64)
+    for age in range(seen_at.size):
+        seen_at[age] = _seen(age, window)
     view = np.empty(longest, np.int64)  # the row's live tokens, in order
     key = np.empty(longest, np.float64)
     taken = np.zeros(longest, np.bool_)
@@ -104,9 +135,10 @@ def evict_lowest(
         while evictable < n and view[evictable] < last:
             evictable += 1
         b = min(b, evictable)
-        srow = score_rows[i] if key_kind == 0 else -1
+        srow = score_rows[i] if key_kind == 0 or key_kind == 3 else -1
         sbase = score_start[srow] if srow >= 0 else 0
         scap = score_cap[srow] if srow >= 0 else 0
+        arow = age_rows[i] if key_kind == 3 else -1
         nan = 0
         for e in range(a, b):
             t = view[e]
@@ -114,8 +146,12 @@ def evict_lowest(
                 key[e] = acc[sbase + t] if t < scap else 0.0
             elif key_kind == 1:
                 key[e] = np.float64(t)
-            else:
+            elif key_kind == 2:
                 key[e] = _hash_uniform(seeds[i], t, view[n - 1])
+            else:
+                score = np.float64(acc[sbase + t]) if t < scap else 0.0
+                age = age_step[arow] - born[age_start[arow] + t] + 1
+                key[e] = _unimportance(score, age, window, seen_at)
             nan += np.isnan(key[e])
             taken[e] = False
         first, lo = min(k, max(b - a, 0)), m

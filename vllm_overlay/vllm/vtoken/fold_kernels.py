@@ -43,3 +43,18 @@ def gather(rows, seg, idx, start, cap, acc):
         if r >= 0 and idx[j] < cap[r]:
             out[j] = acc[start[r] + idx[j]]
     return out
+
+
+@numba.njit(_f32(_f32, _i64, _i64, numba.float64), **_jit)
+def persistence_gain(mass, indptr, num_queries, norm):
+    """float32 per key: 1 where request r's key j (j in [indptr[r],
+    indptr[r + 1])) was important this step, its mean probability
+    mass / (norm * num_queries[r]) at least 1 / keys, compared without
+    dividing (ScoreAccumulator.take_step's "persistence" gain, to the bit)."""
+    out = np.empty(mass.size, np.float32)
+    for r in range(indptr.size - 1):
+        keys = np.float64(indptr[r + 1] - indptr[r])
+        bar = norm * np.float64(num_queries[r])
+        for j in range(indptr[r], indptr[r + 1]):
+            out[j] = 1.0 if np.float64(mass[j]) * keys >= bar else 0.0
+    return out

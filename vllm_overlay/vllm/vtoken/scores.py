@@ -165,10 +165,9 @@ class ScoreAccumulator:
         klen = indptr[1:] - indptr[:-1]
         if self.mode != "persistence":
             gain = (mass / norm).astype(np.float32)
-        else:
-            queries = np.repeat(np.asarray(num_queries, dtype=np.float64), klen)
-            # mean prob = mass / (norm * q) >= 1 / keys, without dividing.
-            gain = (mass * np.repeat(klen, klen) >= norm * queries).astype(np.float32)
+        else:  # mean prob = mass / (norm * q) >= 1 / keys, without dividing
+            q = np.asarray(num_queries, np.int64)
+            gain = self._k.persistence_gain(mass, indptr, q, float(norm))
         read = klen.nonzero()[0]
         return ScoreStep(
             req_ids=(

@@ -204,7 +204,10 @@ class TokenTablePool:
 
         none = np.zeros(0, np.int64)
         s_rows, s_start, s_cap, acc = scores or (*[none] * 3, np.zeros(0, np.float32))
-        assert rule.key != "score" or scores is not None, "a score key needs scores"
+        a_rows, a_start, born, a_step = rule.ages or (none,) * 4
+        score_key = rule.key in ("score", "persistence")
+        assert not score_key or scores is not None, "a score key needs scores"
+        assert rule.key != "persistence" or rule.ages is not None, "and ages"
         a, c = self._a.data, self._a.cols
         counts, idx = evict_lowest(
             np.asarray(rows, np.int64), np.asarray(want, np.int64),
@@ -213,6 +216,7 @@ class TokenTablePool:
             self._a.start, c["n_slotted"], c["n_live"], c["n_listed"],
             a["listed"], a["live"], a["slot"], self.block_live,
             self.block_size, s_rows, s_start, s_cap, acc,
+            int(rule.window), a_rows, a_start, born, a_step,
         )  # fmt: skip
         self._total_live -= idx.size
         return counts, idx

@@ -95,13 +95,17 @@ class LowestRule:
     first `sinks` logical tokens and the `recent` newest live ones.
 
     key: "score" (the running scores), "index" (the logical index: oldest
-    first) or "hash" (`selection.hash_uniform` of the request's seed, the
-    token and its newest token: Random's draw).
+    first), "hash" (`selection.hash_uniform` of the request's seed, the
+    token and its newest token: Random's draw) or "persistence" (minus the
+    steps in the last `window` a token was unimportant, from the running
+    scores and `ages`, the requests' `ArrivalSteps.arena_of`: Scissorhands').
     """
 
     key: str
     recent: int = 0
     sinks: int = 0
+    window: int = 0
+    ages: tuple | None = None
 
 
 def one_request(req: RequestView, seed: int = 0) -> BatchView:

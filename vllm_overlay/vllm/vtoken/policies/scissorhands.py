@@ -42,6 +42,11 @@ class ScissorhandsPolicy(base.EvictionPolicy):
     def sync_new_tokens(self, req: base.RequestView, num_new: int) -> None:
         self._born.add([req.req_id], [num_new])
 
+    def lowest_rule(self, req_ids):
+        ages = self._born.arena_of(req_ids)  # None: one never synced
+        rule = base.LowestRule("persistence", self.recent, 0, self.window, ages)
+        return None if ages is None else rule
+
     def evict_batch(self, batch: base.BatchView, num_evict: np.ndarray):
         if batch.scores is None:
             raise ValueError("scissorhands needs persistence scores")

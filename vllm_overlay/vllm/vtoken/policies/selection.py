@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm.vtoken.arena import RowArena, segments
+from vllm.vtoken.arena import BatchMemo, RowArena, segments
 from vllm.vtoken.policies.base import BatchView
 
 
@@ -58,15 +58,20 @@ class ArrivalSteps:
 
     def __init__(self) -> None:
         self._a = RowArena({"born": (np.int64, 0)}, ("step", "n"))
+        # The last batch `add` and `arena_of` saw.
+        self._added, self._read = BatchMemo(self._a), BatchMemo(self._a)
 
     def add(self, req_ids: list[str], num_new: np.ndarray) -> None:
         """Request req_ids[k] starts a step with num_new[k] new tokens."""
         num_new = np.asarray(num_new, np.int64)
-        ids = [r for r, n in zip(req_ids, num_new.tolist(), strict=True) if n > 0]
-        num_new = num_new[num_new > 0]
-        for rid in set(ids).difference(self._a.index):
-            self._a.add(rid)
-        a, rows = self._a, self._a.rows(ids)
+        ids = req_ids
+        if not num_new.all():
+            ids = [r for r, n in zip(req_ids, num_new.tolist(), strict=True) if n > 0]
+            num_new = num_new[num_new > 0]
+        a = self._a
+        (rows,) = self._added.get(  # first sight: a row
+            ids, lambda ids: (a.rows_adding(ids, lambda i: a.add(ids[i])),)
+        )
         step, n = a.cols["step"], a.cols["n"]
         a.reserve(rows, n[rows] + num_new)
         seg, k = segments(num_new)
@@ -78,6 +83,15 @@ class ArrivalSteps:
         """int64 [N]: steps since each token of `batch` arrived, plus one."""
         a, rows = self._a, self._a.rows(batch.req_ids)[batch.seg]
         return a.cols["step"][rows] - a.data["born"][a.start[rows] + batch.live_idx] + 1
+
+    def arena_of(self, req_ids: list[str]) -> tuple | None:
+        """(rows, start, born, step) of `req_ids`, for a compiled pass to
+        read their tokens' arrival steps in place; None if one has none."""
+        a = self._a
+        (rows,) = self._read.get(req_ids, lambda ids: (a.rows_or_missing(ids),))
+        if rows.size and rows.min() < 0:
+            return None
+        return rows, a.start, a.data["born"], a.cols["step"]
 
     def restart(self, req_id: str) -> None:
         """Every token of the request counts as arrived at its next step, the
