@@ -155,8 +155,8 @@ class TokenTablePool:
         (idx // B) of one of the tokens (table_kernels.emptied_blocks)."""
         return self._k.emptied_blocks(
             np.asarray(rows, np.int64), np.asarray(seg, np.int64),
-            np.asarray(idx, np.int64), self._a.start, self._n_slotted,
-            self._slot, self.block_live, self.block_size, self.num_blocks,
+            np.asarray(idx, np.int64), self._a.start, self._a.cols["n_slotted"],
+            self._a.data["slot"], self.block_live, self.block_size, self.num_blocks,
         )  # fmt: skip
 
     def read_walk(self, rows: np.ndarray, computed: np.ndarray):
@@ -173,7 +173,7 @@ class TokenTablePool:
 
     def tokens_at(self, rows: np.ndarray, seg: np.ndarray, idx) -> np.ndarray:
         """int32: the slots of tokens idx[j] of rows[seg[j]]."""
-        return self._slot[self._a.start[np.asarray(rows)[seg]] + idx]
+        return self._a.data["slot"][self._a.start[np.asarray(rows)[seg]] + idx]
 
     def evict_rows(self, rows: np.ndarray, indptr: np.ndarray, idx) -> None:
         """`evict` for distinct rows at once: row i loses tokens
@@ -285,7 +285,7 @@ class TokenTablePool:
         return int(self._n_live[self._row[req_id]])
 
     def num_live_rows(self, rows: np.ndarray) -> np.ndarray:  # int64 [R]
-        return self._n_live[rows]
+        return self._a.cols["n_live"][rows]
 
     def has_dead(self, req_id: str) -> bool:
         """Whether any known token of the request is dead (O(1))."""
@@ -293,19 +293,20 @@ class TokenTablePool:
         return bool(self._n_live[row] < self._n_tokens[row])
 
     def num_tokens_rows(self, rows: np.ndarray) -> np.ndarray:  # int64 [R]
-        return self._n_tokens[rows]
+        return self._a.cols["n_tokens"][rows]
 
     def num_slotted_rows(self, rows: np.ndarray) -> np.ndarray:  # int64 [R]
-        return self._n_slotted[rows]
+        return self._a.cols["n_slotted"][rows]
 
     def has_dead_rows(self, rows: np.ndarray) -> np.ndarray:
         """bool [R]: `has_dead` of each row."""
-        return self._n_live[rows] < self._n_tokens[rows]
+        c = self._a.cols
+        return c["n_live"][rows] < c["n_tokens"][rows]
 
     def dead_since_mark_rows(self, rows: np.ndarray) -> np.ndarray:
         """int64 [R]: tokens dead since `mark_rows` last ran on each row."""
-        dead = self._n_tokens[rows] - self._n_live[rows]
-        return dead - self._a.cols["n_dead_marked"][rows]
+        c = self._a.cols
+        return c["n_tokens"][rows] - c["n_live"][rows] - c["n_dead_marked"][rows]
 
     def mark_rows(self, rows: np.ndarray, recounted=None) -> None:
         """Starts `dead_since_mark_rows` over; with `recounted` (int [R]),
@@ -353,6 +354,7 @@ class TokenTablePool:
 
     # ------------------------------------------------------------ internals
     # The arena's arrays and columns (re-read: growing may replace them).
+    # A Python call each: the per-step batch methods index `self._a` instead.
     _slot = property(lambda self: self._a.data["slot"])
     _live = property(lambda self: self._a.data["live"])
     _listed = property(lambda self: self._a.data["listed"])
