@@ -31,12 +31,11 @@ def generic(policy):
     )
 
 
-def build(policy, rng, num_reqs, scored):
-    """A runtime whose requests have grown, been evicted and scored at random."""
+def runtime(policy, num_blocks):
+    """A runtime for `policy` over a fresh pool, with scores if it reads any."""
     acc = ScoreAccumulator("sum") if policy.score_mode else None
-    pool = TokenTablePool(num_reqs * 40, B)
     rt = EvictionRuntime(
-        pool,
+        TokenTablePool(num_blocks, B),
         policy,
         policy.budget,
         seed=5,
@@ -44,6 +43,12 @@ def build(policy, rng, num_reqs, scored):
         score_batch=acc.scores_rows if acc else None,
         score_arena=acc.arena_of if acc else None,
     )
+    return rt, rt.pool, acc
+
+
+def build(policy, rng, num_reqs, scored):
+    """A runtime whose requests have grown, been evicted and scored at random."""
+    rt, pool, acc = runtime(policy, num_reqs * 40)
     rids = [f"r{i}" for i in range(num_reqs)]
     lens = rng.integers(1, 30, num_reqs)
     blocks = rng.permutation(pool.num_blocks)
@@ -148,17 +153,7 @@ def run_steps(policy, seed, num_reqs=10, steps=30):
     """Steps of growth, preemption, scores and eviction; after each, what
     was evicted and the whole arena (live lists and their compaction too)."""
     rng = np.random.default_rng(seed)
-    acc = ScoreAccumulator("sum") if policy.score_mode else None
-    pool = TokenTablePool(2048, B)
-    rt = EvictionRuntime(
-        pool,
-        policy,
-        policy.budget,
-        seed=5,
-        score_source=acc.scores if acc else None,
-        score_batch=acc.scores_rows if acc else None,
-        score_arena=acc.arena_of if acc else None,
-    )
+    rt, pool, acc = runtime(policy, 2048)
     top, rids, out = 0, [f"r{i}" for i in range(num_reqs)], []
     for t in range(steps):
         for rid in rids:

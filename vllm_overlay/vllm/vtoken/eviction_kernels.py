@@ -28,6 +28,7 @@ import numba
 import numpy as np
 
 from vllm.vtoken.policies.selection_kernels import _FEW, _before
+from vllm.vtoken.table_kernels import kill
 
 _i64, _i32, _u64, _f32, _f64, _b1 = (
     numba.int64[::1],
@@ -198,18 +199,6 @@ def evict_lowest(
                 out[w] = out[w - 1]
                 w -= 1
             out[w] = t
-        for q in range(lo, m):
-            p = base + out[q]
-            live[p] = False
-            block_live[slot[p] // block_size] -= 1
-        n_live[r] -= m - lo
-        if n_listed[r] - n_live[r] >= max(n_live[r], 16):  # compact
-            w = base
-            for j in range(base, base + n_listed[r]):
-                t = listed[j]
-                listed[j] = -1
-                if live[base + t]:
-                    listed[w] = t
-                    w += 1
-            n_listed[r] = n_live[r]
+        kill(r, base, out[lo:m], n_live, n_listed, slot, live, listed,
+             block_live, block_size)  # fmt: skip
     return counts, out[:m]

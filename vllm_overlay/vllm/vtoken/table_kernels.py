@@ -112,6 +112,28 @@ def append_rows(
     return total
 
 
+@numba.njit(inline="always")
+def kill(r, base, idx, n_live, n_listed, slot, live, listed, block_live, block_size):
+    """Row r (region at `base`) loses its live tokens `idx`: bits cleared,
+    blocks uncounted, and its live list compacted once it holds as many dead
+    as live (and 16). Shared by evict_rows and eviction_kernels.evict_lowest
+    (whose numba cache does not see edits here: DEVELOPING.md)."""
+    for t in idx:
+        p = base + t
+        live[p] = False
+        block_live[slot[p] // block_size] -= 1
+    n_live[r] -= idx.size
+    if n_listed[r] - n_live[r] >= max(n_live[r], 16):  # compact
+        m = base
+        for j in range(base, base + n_listed[r]):
+            t = listed[j]
+            listed[j] = -1
+            if live[base + t]:
+                listed[m] = t
+                m += 1
+        n_listed[r] = n_live[r]
+
+
 @numba.njit(
     numba.int64(_i64, _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64),
     **_jit,
@@ -131,21 +153,8 @@ def evict_rows(
                 return j
     for i in range(rows.size):
         r = rows[i]
-        base = start[r]
-        for j in range(indptr[i], indptr[i + 1]):
-            p = base + idx[j]
-            live[p] = False
-            block_live[slot[p] // block_size] -= 1
-        n_live[r] -= indptr[i + 1] - indptr[i]
-        if n_listed[r] - n_live[r] >= max(n_live[r], 16):  # compact
-            m = base
-            for j in range(base, base + n_listed[r]):
-                t = listed[j]
-                listed[j] = -1
-                if live[base + t]:
-                    listed[m] = t
-                    m += 1
-            n_listed[r] = n_live[r]
+        kill(r, start[r], idx[indptr[i] : indptr[i + 1]], n_live, n_listed,
+             slot, live, listed, block_live, block_size)  # fmt: skip
     return -1
 
 
