@@ -163,29 +163,32 @@ class BlockReclaimer:
         self._unbusy(batch_id, np.unique(batch.dst_slots // self.block_size))
         return batch
 
-    def release_sources(self, rid: str, rec: RequestState) -> None:
-        """The request's part of its acknowledged batch: free the sources, and
-        the destinations left without a live token (every token in them died
-        while the copy was in flight: busy, free_empty_blocks kept them)."""
-        src = [b.block_id for b in rec.move_src]
-        self._unbusy(rec.move_batch, src)
-        # Null-replaced where the planner found them, but the displaced ones
-        # (first: not in the list); all freed.
-        k = len(rec.move_detached)
-        null = self.block_pool.null_block
-        out = self.blocks.null_at(rid, rec.move_src_at[k:], src[k:], null, False)
-        if out is None:
-            self._null_out(rid, rec, src)
-        else:
-            rec.nulls += len(out)
-        self._free(rec.move_src)
-        dead = rec.move_dst[self.pool.block_live[rec.move_dst] == 0]
-        if dead.size:
-            self._free(self._null_out(rid, rec, dead.tolist(), unshared_only=True))
-        # The fresh blocks that replaced displaced sources were taken from the pool.
-        self.counters.reclaimed_blocks -= len(rec.move_detached)
-        rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
-        rec.move_src_at, rec.move_detached, rec.move_fresh = [], [], []
+    def release_sources(self, released: list[tuple[str, RequestState]]) -> None:
+        """The requests' parts of their acknowledged batch: free the sources,
+        and the destinations left without a live token (every token in them
+        died while the copy was in flight: busy, free_empty_blocks kept
+        them); request by request, in one `free_blocks`."""
+        freed, null = [], self.block_pool.null_block
+        for rid, rec in released:
+            src = [b.block_id for b in rec.move_src]
+            self._unbusy(rec.move_batch, src)
+            # Null-replaced where the planner found them, but the displaced
+            # ones (first: not in the list); all freed.
+            k = len(rec.move_detached)
+            out = self.blocks.null_at(rid, rec.move_src_at[k:], src[k:], null, False)
+            if out is None:
+                self._null_out(rid, rec, src)
+            else:
+                rec.nulls += len(out)
+            freed += rec.move_src
+            dead = rec.move_dst[self.pool.block_live[rec.move_dst] == 0]
+            if dead.size:
+                freed += self._null_out(rid, rec, dead.tolist(), unshared_only=True)
+            # The fresh blocks that replaced displaced sources came from the pool.
+            self.counters.reclaimed_blocks -= len(rec.move_detached)
+            rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
+            rec.move_src_at, rec.move_detached, rec.move_fresh = [], [], []
+        self._free(freed)
 
     def drop_moves(self, rid: str, rec: RequestState) -> None:
         """Forget a request's in-flight moves; vLLM frees its blocks next.

@@ -260,12 +260,11 @@ class VTokenScheduler:
         self.pool.apply_moves(
             batch.req_ids, batch.indptr, batch.idx, batch.dst_slots, keep=keep
         )
-        num_moves = np.diff(batch.indptr)
-        for rid, rec, kept, n in zip(batch.req_ids, recs, keep, num_moves, strict=True):
-            if not kept:
-                continue
-            self.reclaimer.release_sources(rid, rec)
-            self.counters.moved_tokens += int(n)
+        moved = np.diff(batch.indptr)[np.asarray(keep, dtype=bool)]
+        self.counters.moved_tokens += int(moved.sum())
+        self.reclaimer.release_sources(
+            list(compress(zip(batch.req_ids, recs, strict=True), keep))
+        )
 
     def on_preempt(self, req: Request) -> None:
         """Before vLLM frees a preempted request's blocks. Goes: the slots
