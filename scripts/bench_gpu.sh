@@ -36,7 +36,7 @@ if [ "$smoke" = 1 ]; then
   device="CPU ($(nproc) cores; smoke test of the GPU script's path)"
   # Eager as on the GPU: each server would otherwise trace the model (~20 s).
   eng='{"load_format": "dummy", "max_model_len": 512, "enforce_eager": true}'
-  mem=(--requests 4 --prompt-len 64 --gen-len 48 --budget 48)
+  mem=(--requests 4 --prompt-len 64 --gen-len 48 --budget 48 --repeats 1)  # one run a mode: the path, not a timing
   cap=(--pools 48 --prompt-len 64 --gen-len 32)
   sla=(--pool 64 --budget 48 --prompt-len 64 --gen-len 16 --num-prompts 4 --rates 4)
   ovh=(--requests 4 --prompt-len 64 --gen-len 16 --repeats 1)

@@ -302,6 +302,7 @@ def quality_section(d: dict, img: str) -> list[str]:
 
 def scale_section(d: dict, img: str) -> list[str]:
     before = any("before_host_ms" in r for r in d["rows"].values())
+    probe = any("probe_cold_us" in r for r in d["rows"].values())
     out = table_head(
         "Per-step cost at large batches",
         f"`{d['command']}` ({d['date']}). A dummy-weight two-layer Llama (the "
@@ -317,10 +318,18 @@ def scale_section(d: dict, img: str) -> list[str]:
         + ". Host time: wall time "
         "inside vToken's hooks, both sides (`scheduler_ns` + `worker_ns`). Calls: "
         "the Python and C calls those hooks make per step (counted in a 16-token "
-        "run of its own), which noise does not touch.",
+        "run of its own), which noise does not touch."
+        + (
+            " Probe: six small NumPy calls (engine_driver.probe) timed in that "
+            "run as the scheduler's first hook starts, after the forward, and "
+            "at once again: what a call costs where the hooks run, cold and warm."
+            if probe
+            else ""
+        ),
         {"running": "r", "policy": "l", "step ms": "r", "native step ms": "r"}
         | {"ratio": "r", "vToken host ms": "r", "calls in the hooks": "r"}
         | {"planner ms per plan": "r"}
+        | ({"probe µs, cold / warm": "r"} if probe else {})
         | (
             {"host ms before": "r", "host, now / before": "r", "calls before": "r"}
             if before
@@ -337,6 +346,11 @@ def scale_section(d: dict, img: str) -> list[str]:
             f"| {int(n):,} | {policy} | {r['step_ms']:.1f} | {native:.1f} "
             f"| {r['step_ratio']:.2f} | {r['host_ms']:.2f} | {r['hook_calls']:,.0f} "
             f"| {r['planner_ms']:.2f} |"
+            + (
+                f" {r['probe_cold_us']:.0f} / {r['probe_warm_us']:.1f} |"
+                if probe
+                else ""
+            )
             + (
                 f" {then:.2f} | {r['host_ms'] / then:.2f} "
                 f"| {r.get('before_hook_calls', 0):,.0f} |"

@@ -21,6 +21,9 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
   histogram, record_dead   record how many held blocks have 0..B live tokens
               (every step), each request's evicted tokens (as of its last step)
   count_calls  count the Python and C calls engine steps make (slower)
+  count_hook_calls  count those inside vToken's hooks, and time a fixed probe
+              of NumPy calls as the step's first hook starts (after the
+              forward) and again at once (warm): what a call costs there
   light       record no per-request block state per step (large batches)
   force       per request, token ids to emit (teacher forcing, ForceTokens); the
               run then records "logprobs": the model's own for each forced token
@@ -228,8 +231,27 @@ HOOKS = {
 }
 
 
+# Nanoseconds, summed over steps, of `probe` run first thing in the scheduler's
+# begin_step (after the last forward: "cold") and once more at once ("warm").
+PROBE_NS = {"cold": 0, "warm": 0}
+
+
+def probe() -> int:
+    """Six small NumPy calls of the kinds the hooks make; their wall time."""
+    import numpy as np
+
+    a = np.arange(64, dtype=np.int64)
+    t = time.perf_counter_ns()
+    keep = a % 3 != 0
+    np.flatnonzero(keep).cumsum()
+    np.concatenate([a[keep], a[:4]]).tolist()
+    keep.all()
+    return time.perf_counter_ns() - t
+
+
 def count_hook_calls() -> None:
-    """Wraps vToken's step hooks so that the calls they make are counted."""
+    """Wraps vToken's step hooks so that the calls they make are counted, and
+    the scheduler's begin_step so that `probe` runs cold and warm before it."""
     import functools
     import importlib
 
@@ -245,7 +267,10 @@ def count_hook_calls() -> None:
         for name in names:
 
             @functools.wraps(fn := getattr(cls, name))
-            def counting(*args, _fn=fn, **kwargs):
+            def counting(*args, _fn=fn, _first=name == "begin_step", **kwargs):
+                if _first and "Scheduler" in _fn.__qualname__:
+                    PROBE_NS["cold"] += probe()
+                    PROBE_NS["warm"] += probe()
                 sys.setprofile(hook)
                 try:
                     return _fn(*args, **kwargs)
@@ -359,6 +384,8 @@ class Driver:
                     c, "worker_ns", 0
                 )
                 state["hook_calls"] = HOOK_CALLS["call"] + HOOK_CALLS["c_call"]
+                state["probe_cold_ns"] = PROBE_NS["cold"]
+                state["probe_warm_ns"] = PROBE_NS["warm"]
             light = wave.get("light")  # no per-request state: scale runs
             steps.append(state if light else block_state(sched, histogram) | state)
             if len(steps) > 20000:

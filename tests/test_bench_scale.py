@@ -71,3 +71,22 @@ def test_a_row_is_the_median_of_its_runs():
         odd[1]["counters"] = odd[1]["counters"] | {key: 10}
         with pytest.raises(AssertionError, match=rf"^\('{key}'"):
             bench.scale_row(odd, 8.0, [1])
+
+
+def test_the_report_shows_the_probe_only_for_runs_that_timed_it():
+    spec = importlib.util.spec_from_file_location(
+        "bench_report", REPO / "scripts/bench_report.py"
+    )
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    row = {"step_ms": 12.0, "step_ratio": 1.5, "host_ms": 2.0, "hook_calls": 95}
+    row |= {"planner_ms": 1.0}
+    d = {"command": "bench scale", "date": "today", "prompt_len": 64}
+    d |= {"gen_len": 64, "budget": 32, "repeats": 2}
+    d["rows"] = {"64/none": {"step_ms": 8.0}, "64/h2o": row}
+    old = "\n".join(report.scale_section(d, "img"))
+    assert "probe" not in old.lower()
+    row |= {"probe_cold_us": 57.4, "probe_warm_us": 4.24}
+    new = "\n".join(report.scale_section(d, "img"))
+    assert "probe µs, cold / warm" in new
+    assert "| 64 | h2o | 12.0 | 8.0 | 1.50 | 2.00 | 95 | 1.00 | 57 / 4.2 |" in new

@@ -288,6 +288,27 @@ def test_a_block_emptied_while_its_copy_is_in_flight_waits_for_the_ack():
     assert kv.block_pool.get_num_free_blocks() == free0 - 3  # b1, b2, tail (12, 13)
 
 
+def test_a_request_due_while_its_batch_is_in_flight_is_planned_after_the_ack():
+    """Planning waits for the request's in-flight batch (its slots switch at
+    the ack): each step it would have been planned counts as deferred, and
+    its evictions keep counting towards the next plan, which the step after
+    the ack makes (marking them planned)."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, req = setup("vtoken", blocks=32)
+    step(kv, vt, req, 12, running=[])
+    first = step(kv, vt, req, 1, running=[req], ack=False).moves
+    assert first is not None and first.batch_id == 0
+    since = lambda: int(vt.pool.dead_since_mark_rows(vt.pool.rows(["A"]))[0])  # noqa: E731
+    for _ in range(8):  # a block's worth of evictions (and more) since
+        assert step(kv, vt, req, 1, running=[req], ack=False).moves is None
+    assert vt.counters.deferred_plans == 5 and since() == 8  # due from the 4th
+    vt.on_output(VTokenWorkerOutput(acked_batches=[0]))
+    vt.check_integrity()
+    step(kv, vt, req, 1, running=[req], ack=False)
+    assert vt.counters.deferred_plans == 5 and since() == 0
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_a_destination_whose_moved_tokens_died_in_flight_is_freed_at_the_ack(
     caching,

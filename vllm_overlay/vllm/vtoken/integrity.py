@@ -14,7 +14,7 @@ import os
 CHECK = os.environ.get("VTOKEN_CHECK_INTEGRITY", "0") == "1"
 
 
-def check_blocks(pool, block_pool, req_to_blocks, reqs) -> None:
+def check_blocks(pool, block_pool, req_to_blocks, detached) -> None:
     """The scheduler's `check_integrity()` (docs/DESIGN.md §4): the Token
     Tables against vLLM's block pool. Every block's ref count is its holders
     (positional lists, plus evacuated sources a move batch holds), every live
@@ -24,7 +24,8 @@ def check_blocks(pool, block_pool, req_to_blocks, reqs) -> None:
         pool: The scheduler's TokenTablePool.
         block_pool: vLLM's BlockPool.
         req_to_blocks: vLLM's positional block lists, by request.
-        reqs: The scheduler's RequestState records, by request.
+        detached: The evacuated sources each request's move batch holds
+            (block ids, by request; BlockReclaimer.detached).
     """
     import numpy as np
 
@@ -34,9 +35,7 @@ def check_blocks(pool, block_pool, req_to_blocks, reqs) -> None:
     holders = np.zeros_like(ref)
     for rid, blocks in req_to_blocks.items():
         ids = [b.block_id for b in blocks if not b.is_null]
-        rec = reqs.get(rid)
-        if rec is not None:  # evacuated sources, held until acked
-            ids += [b.block_id for b in rec.move_detached]
+        ids += detached.get(rid, [])  # evacuated sources, held until acked
         np.add.at(holders, np.asarray(ids, dtype=np.int64), 1)
         if rid in pool:
             held = np.zeros(len(ref), dtype=bool)

@@ -14,7 +14,7 @@ positional block list) and `BlockPool.free_blocks`:
 
 A fresh block takes an evacuated source's place in the positional list at
 once (vLLM frees it with the request); the source it displaced is held by the
-batch alone until then (`RequestState.move_detached`)::
+batch alone until then (`InFlightMoves`)::
 
     req_to_blocks[rid]  [b7, b3, b9, b4]   b7, b3 cached, evacuated into fresh b12
     planned             [b12, b3, b9, b4]  b7 detached, held by the batch
@@ -30,22 +30,25 @@ pass over a request's list in Python.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from itertools import chain, repeat
+from dataclasses import dataclass
+from itertools import chain, compress, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import indptr_of, ranges
+from vllm.vtoken.arena import attrs, indptr_of, ranges, values
 from vllm.vtoken.block_index import BlockIndex
 from vllm.vtoken.messages import MoveBatch
 from vllm.vtoken.packing import pack_requests
 from vllm.vtoken.planner import BlockPlan, plan_around_cache, plan_blocks
-from vllm.vtoken.request_state import NO_BLOCKS, RequestState
+from vllm.vtoken.request_state import RequestState
 
 _NEVER = 1 << 62  # a block count no request reaches
 _ID = attrgetter("block_id")
+_NULLS = attrgetter("nulls")
+_COMPUTED = attrgetter("num_computed_tokens")
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -53,6 +56,30 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
     from vllm.vtoken.stats import VTokenCounters
     from vllm.vtoken.token_table import TokenTablePool
+
+
+@dataclass(slots=True)
+class InFlightMoves:
+    """The scheduler side of a move batch until it is acknowledged: per
+    request of `batch` (CSR, in its order) the blocks it empties, where the
+    planner found each in the request's list, the fresh blocks that took the
+    first ones' places (an evacuation), and the blocks it fills."""
+
+    batch: MoveBatch
+    src_indptr: np.ndarray  # int64 [K + 1]
+    src: list[KVCacheBlock]  # [S]
+    src_ids: np.ndarray  # int64 [S]
+    src_at: np.ndarray  # int64 [S]: list entries (a displaced source's: former)
+    fresh_indptr: np.ndarray  # int64 [K + 1]: fresh[i] displaced src[i] (CSR)
+    fresh: list[KVCacheBlock]
+    dst_indptr: np.ndarray  # int64 [K + 1]
+    dst_ids: np.ndarray  # int64 [D]
+    index: dict[str, int]  # request id -> its position K
+
+    def sources(self, k: int) -> tuple[list[KVCacheBlock], list[KVCacheBlock]]:
+        """Request k's (sources, fresh blocks): src[: len(fresh)] displaced."""
+        s, f = self.src_indptr, self.fresh_indptr
+        return self.src[s[k] : s[k + 1]], self.fresh[f[k] : f[k + 1]]
 
 
 class BlockReclaimer:
@@ -77,7 +104,7 @@ class BlockReclaimer:
         self._num_cached_block: dict[str, int] = type_mgr.num_cached_block
         self.threshold = threshold
         self.counters = counters
-        self._inflight: dict[int, MoveBatch] = {}  # batch_id -> batch
+        self._inflight: dict[int, InFlightMoves] = {}  # batch_id -> its moves
         self._busy: dict[int, int] = {}  # block_id -> batch_id copying it
         self._next_batch_id = 0
         self._null_id = self.block_pool.null_block.block_id
@@ -157,37 +184,55 @@ class BlockReclaimer:
             self.block_pool.free_blocks(blocks)
             self.counters.reclaimed_blocks += len(blocks)
 
-    def pop_batch(self, batch_id: int) -> MoveBatch:
-        """An acknowledged batch: its destinations may be freed again."""
-        batch = self._inflight.pop(batch_id)
-        self._unbusy(batch_id, np.unique(batch.dst_slots // self.block_size))
-        return batch
+    def pop_batch(self, batch_id: int) -> InFlightMoves:
+        """An acknowledged batch: none of its blocks is busy any more."""
+        moves = self._inflight.pop(batch_id)
+        self._unbusy(batch_id, chain(moves.src_ids.tolist(), moves.dst_ids.tolist()))
+        return moves
 
-    def release_sources(self, released: list[tuple[str, RequestState]]) -> None:
-        """The requests' parts of their acknowledged batch: free the sources,
+    def release_sources(
+        self, moves: InFlightMoves, recs: list[RequestState | None], keep: np.ndarray
+    ) -> None:
+        """The parts of an acknowledged batch of the requests `keep` marks
+        (recs: the batch's requests' states, in its order): free the sources,
         and the destinations left without a live token (every token in them
         died while the copy was in flight: busy, free_empty_blocks kept
-        them); request by request, in one `free_blocks`."""
-        freed, null = [], self.block_pool.null_block
-        for rid, rec in released:
-            src = [b.block_id for b in rec.move_src]
-            self._unbusy(rec.move_batch, src)
+        them), in one `free_blocks`."""
+        kept = np.flatnonzero(keep)
+        if not kept.size:
+            return
+        null, freed, rids = self.block_pool.null_block, [], moves.batch.req_ids
+        s, f, d = moves.src_indptr, moves.fresh_indptr, moves.dst_indptr
+        # Destinations with no live token: rare, so found for the batch at once.
+        live = self.pool.block_live[moves.dst_ids]
+        dead_dst = np.add.reduceat(live == 0, d[:-1]) if live.size else live
+        src_ids, src_at = moves.src_ids.tolist(), moves.src_at.tolist()
+        spans = zip(
+            kept.tolist(),
+            s[kept].tolist(),
+            s[kept + 1].tolist(),
+            (f[kept + 1] - f[kept]).tolist(),
+            strict=True,
+        )
+        for k, lo, hi, nf in spans:
+            rid, rec = rids[k], recs[k]
             # Null-replaced where the planner found them, but the displaced
             # ones (first: not in the list); all freed.
-            k = len(rec.move_detached)
-            out = self.blocks.null_at(rid, rec.move_src_at[k:], src[k:], null, False)
+            out = self.blocks.null_at(
+                rid, src_at[lo + nf : hi], src_ids[lo + nf : hi], null, False
+            )
             if out is None:
-                self._null_out(rid, rec, src)
+                self._null_out(rid, rec, src_ids[lo:hi])
             else:
                 rec.nulls += len(out)
-            freed += rec.move_src
-            dead = rec.move_dst[self.pool.block_live[rec.move_dst] == 0]
-            if dead.size:
-                freed += self._null_out(rid, rec, dead.tolist(), unshared_only=True)
-            # The fresh blocks that replaced displaced sources came from the pool.
-            self.counters.reclaimed_blocks -= len(rec.move_detached)
-            rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
-            rec.move_src_at, rec.move_detached, rec.move_fresh = [], [], []
+            freed += moves.src[lo:hi]
+            if dead_dst.size and dead_dst[k]:
+                dst = moves.dst_ids[d[k] : d[k + 1]]
+                dead = dst[self.pool.block_live[dst] == 0].tolist()
+                freed += self._null_out(rid, rec, dead, unshared_only=True)
+            rec.move_batch = None
+        # The fresh blocks that replaced displaced sources came from the pool.
+        self.counters.reclaimed_blocks -= int((f[kept + 1] - f[kept]).sum())
         self._free(freed)
 
     def drop_moves(self, rid: str, rec: RequestState) -> None:
@@ -202,19 +247,34 @@ class BlockReclaimer:
         """
         if rec.move_batch is None:
             return
-        self._unbusy(rec.move_batch, [b.block_id for b in rec.move_src])
-        self._unbusy(rec.move_batch, rec.move_dst)
-        for fresh, source in zip(rec.move_fresh, rec.move_detached, strict=True):
-            (i,) = self.blocks.find(rid, [fresh.block_id])
+        moves = self._inflight[rec.move_batch]
+        k = moves.index[rid]
+        src, fresh = moves.sources(k)
+        d = moves.dst_indptr
+        dst = moves.dst_ids[d[k] : d[k + 1]].tolist()
+        self._unbusy(rec.move_batch, chain((b.block_id for b in src), dst))
+        for new, source in zip(fresh, src, strict=False):
+            (i,) = self.blocks.find(rid, [new.block_id])
             self.blocks.replace(rid, i, source)
-        self.block_pool.free_blocks(rec.move_fresh)
-        rec.move_batch, rec.move_src, rec.move_dst = None, [], NO_BLOCKS
-        rec.move_src_at, rec.move_detached, rec.move_fresh = [], [], []
+        self.block_pool.free_blocks(fresh)
+        rec.move_batch = None
+
+    def detached(self, reqs: Mapping[str, RequestState]) -> dict[str, list[int]]:
+        """The evacuated sources each request's batch holds (check_blocks)."""
+        out: dict[str, list[int]] = {}
+        for batch_id, moves in self._inflight.items():
+            for rid, k in moves.index.items():
+                rec = reqs.get(rid)
+                if rec is not None and rec.move_batch == batch_id:
+                    src, fresh = moves.sources(k)
+                    out[rid] = [b.block_id for b in src[: len(fresh)]]
+        return out
 
     def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
+        busy = self._busy
         for b in block_ids:
-            if self._busy.get(int(b)) == batch_id:
-                del self._busy[int(b)]
+            if busy.get(b) == batch_id:
+                del busy[b]
 
     def plan(
         self,
@@ -235,39 +295,40 @@ class BlockReclaimer:
         B, pool = self.block_size, self.pool
         due = [r for r in due if r in reqs and r in requests and r in scheduled]
         rows = pool.rows(due)
-        since = pool.dead_since_mark_rows(rows)
+        order = np.argsort(rows)  # in row order: reproducible
+        due, rows = [due[k] for k in order.tolist()], rows[order]
+        recs = values(reqs, due)
+        ripe = pool.dead_since_mark_rows(rows) >= B
+        # Considered once it runs with a block's worth dead; not while its
+        # last batch is still copying (GPU side stream): its slots switch
+        # when that completes, so it is planned on the settled state.
+        busy = np.fromiter((r.move_batch is not None for r in recs), bool, len(recs))
+        self.counters.deferred_plans += int((ripe & busy).sum())
+        planned = ripe & ~busy
+        pool.mark_rows(rows[planned])
+        assert not integrity.CHECK or all(
+            rec.nulls == sum(b.is_null for b in self.positional(rid))
+            for rid, rec in compress(zip(due, recs, strict=True), planned.tolist())
+        ), "null blocks miscounted"
         # Holes are dead tokens' slots in blocks still held: at most the dead
         # tokens less a block per null-replaced one. Freeing a block takes a
         # block's worth of holes (planner.py), so with fewer the request is
         # planned without reading its blocks: nothing to move.
         dead = pool.num_tokens_rows(rows) - pool.num_live_rows(rows)
-        rids, ids, heads, planned = [], [], [], []
-        for k in np.argsort(rows).tolist():  # in row order: reproducible
-            rid, rec = due[k], reqs[due[k]]
-            if since[k] < B:
-                continue  # considered once it runs with a block's worth dead
-            if rec.move_batch is not None:
-                # Its last batch is still copying (GPU side stream): its slots
-                # switch when that completes, so plan on the settled state.
-                self.counters.deferred_plans += 1
-                continue
-            planned.append(rows[k])
-            assert not integrity.CHECK or rec.nulls == sum(
-                b.is_null for b in self.positional(rid)
-            ), f"{rid}: null blocks miscounted"
-            if dead[k] - rec.nulls * B < B:
-                continue
-            rids.append(rid)
-            req = requests[rid]
-            # Full blocks written before this step; the tail is being filled.
-            index, nfull = self.blocks.get(rid), req.num_computed_tokens // B
-            ids.append(index.ids[:nfull])
+        holes = dead - attrs(recs, _NULLS) * B
+        chosen = np.flatnonzero(planned & (holes >= B)).tolist()
+        rids = [due[k] for k in chosen]
+        # Full blocks written before this step; the tail is being filled.
+        nfull = (attrs(values(requests, rids), _COMPUTED) // B).tolist()
+        ids, heads = [], []
+        for rid, n in zip(rids, nfull, strict=True):
+            index = self.blocks.get(rid)
+            ids.append(index.ids[:n])
             # The blocks vLLM may have cached (and so shared) are read one by
             # one: a block's reference count and hash live on its object.
-            upto = nfull if index.cached_upto is None else index.cached_upto
+            upto = n if index.cached_upto is None else index.cached_upto
             upto = upto if self._caching else 0
-            heads.append(self.positional(rid)[: min(upto, nfull)])
-        pool.mark_rows(np.asarray(planned, np.int64))
+            heads.append(self.positional(rid)[: min(upto, n)])
         if not rids:
             return None
         counts = np.fromiter(map(len, ids), np.int64, len(ids))
@@ -320,7 +381,7 @@ class BlockReclaimer:
         if len(plan.req_index) == 0:
             return None
         entry_of = dict(zip(ids[keep].tolist(), pos.tolist(), strict=True))
-        return self._bind(plan, [reqs[rid] for rid in rids], rids, entry_of)
+        return self._bind(plan, [recs[k] for k in chosen], rids, entry_of)
 
     def _bind(
         self,
@@ -332,7 +393,6 @@ class BlockReclaimer:
         """Turn a block plan into slot moves; free blocks that need none.
         `entry_of`: each planned block's entry in its request's list."""
         B = self.block_size
-        by_id = self.block_pool.blocks
         batch_id = self._next_batch_id
         fresh = self.block_pool.get_new_blocks(int(plan.num_fresh.sum()))
         # The live tokens of every planned request at once (Token Table rows).
@@ -349,56 +409,68 @@ class BlockReclaimer:
         # Blocks written, per request (its moves fill them one after another).
         blk = m.dst_slots // B
         first = np.flatnonzero(np.concatenate([blk[:1] >= 0, blk[1:] != blk[:-1]]))
-        dst_blocks, dst_at = blk[first], np.searchsorted(first, m.indptr)
+        dst_ids, dst_at = blk[first], np.searchsorted(first, m.indptr)
         # A destination's content changes: it must leave the prefix cache
         # (sources keep theirs intact, so a later hit on them stays valid).
-        self.block_pool.evict_blocks(set(dst_blocks.tolist()))
-        num_moves = np.diff(m.indptr).tolist()
-        at = indptr_of(plan.num_fresh).tolist()
-        src_at, src_ids = plan.src_indptr.tolist(), plan.src_block_ids.tolist()
-        out_rids, busy = [], []
-        for k, r in enumerate(plan.req_index.tolist()):
-            rid, rec = rids[r], recs[r]
-            ids = src_ids[src_at[k] : src_at[k + 1]]
-            src_blocks = [by_id[b] for b in ids]
-            new = fresh[at[k] : at[k + 1]]
-            if num_moves[k] == 0:  # every token already dead: free right away
-                self.release_blocks(rid, rec, src_blocks)
-                self.block_pool.free_blocks(new)  # nothing to evacuate into
-                continue
-            rec.move_batch, rec.move_src = batch_id, src_blocks
-            rec.move_src_at = [entry_of[b] for b in ids]
-            rec.move_dst = dst_blocks[dst_at[k] : dst_at[k + 1]]
-            busy += ids
-            # Cached sources come first in a plan around the cache.
-            rec.move_detached, rec.move_fresh = src_blocks[: len(new)], new
-            self._swap_in(rid, new, rec.move_detached)
-            self.counters.evacuated_blocks += sum(
-                b.block_hash is not None for b in src_blocks
-            )
-            out_rids.append(rid)
-        if not out_rids:
+        self.block_pool.evict_blocks(set(dst_ids.tolist()))
+        by_id = self.block_pool.blocks
+        src_ids = plan.src_block_ids.astype(np.int64)
+        src = [by_id[b] for b in src_ids.tolist()]
+        num_src, fresh_at = np.diff(plan.src_indptr), indptr_of(plan.num_fresh)
+        num_moves = np.diff(m.indptr)
+        moving = num_moves > 0
+        for k in np.flatnonzero(~moving).tolist():
+            # Every token already dead: free right away, nothing to evacuate into.
+            r = plan.req_index[k]
+            lo, hi = plan.src_indptr[k], plan.src_indptr[k + 1]
+            self.release_blocks(rids[r], recs[r], src[lo:hi])
+            self.block_pool.free_blocks(fresh[fresh_at[k] : fresh_at[k + 1]])
+        if not moving.any():
             return None
-        self._busy.update(zip(busy + dst_blocks.tolist(), repeat(batch_id)))
-        n = np.diff(m.indptr)
-        batch = MoveBatch(
-            batch_id=batch_id,
-            req_ids=out_rids,
-            indptr=indptr_of(n[n > 0]),
-            idx=m.idx,
-            src_slots=m.src_slots,
-            dst_slots=m.dst_slots,
+        if not moving.all():  # the moving requests' parts only
+            sel = np.repeat(moving, num_src)
+            src_ids, src = src_ids[sel], list(compress(src, sel.tolist()))
+            fresh = list(compress(fresh, np.repeat(moving, plan.num_fresh).tolist()))
+        req_index = plan.req_index[moving].tolist()
+        out_rids = [rids[r] for r in req_index]
+        moves = InFlightMoves(
+            batch=MoveBatch(
+                batch_id=batch_id,
+                req_ids=out_rids,
+                indptr=indptr_of(num_moves[moving]),
+                idx=m.idx,
+                src_slots=m.src_slots,
+                dst_slots=m.dst_slots,
+            ),
+            src_indptr=indptr_of(num_src[moving]),
+            src=src,
+            src_ids=src_ids,
+            src_at=np.fromiter(map(entry_of.__getitem__, src_ids.tolist()), np.int64),
+            fresh_indptr=indptr_of(plan.num_fresh[moving]),
+            fresh=fresh,
+            dst_indptr=indptr_of(np.diff(dst_at)[moving]),
+            dst_ids=dst_ids,
+            index={rid: k for k, rid in enumerate(out_rids)},
         )
-        self._inflight[batch_id] = batch
+        for r in req_index:
+            recs[r].move_batch = batch_id
+        if fresh:  # cached sources come first in a plan around the cache
+            for k in np.flatnonzero(np.diff(moves.fresh_indptr)).tolist():
+                self._swap_in(out_rids[k], *moves.sources(k))
+        self.counters.evacuated_blocks += sum(b.block_hash is not None for b in src)
+        self._busy.update(
+            zip(chain(src_ids.tolist(), dst_ids.tolist()), repeat(batch_id))
+        )
+        self._inflight[batch_id] = moves
         self._next_batch_id += 1
-        return batch
+        return moves.batch
 
     def _swap_in(
-        self, rid: str, fresh: list[KVCacheBlock], displaced: list[KVCacheBlock]
+        self, rid: str, src: list[KVCacheBlock], fresh: list[KVCacheBlock]
     ) -> None:
-        """Put each fresh block where an evacuated source was in the positional
-        list, so that vLLM frees it with the request; the displaced sources
-        are then held by the batch alone (RequestState.move_detached)."""
-        for new, old in zip(fresh, displaced, strict=True):
+        """Put each fresh block where an evacuated source (src[: len(fresh)])
+        was in the positional list, so that vLLM frees it with the request;
+        the displaced sources are then held by the batch alone."""
+        for new, old in zip(fresh, src, strict=False):
             (i,) = self.blocks.find(rid, [old.block_id])
             self.blocks.replace(rid, i, new)

@@ -3,15 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(slots=True)
@@ -28,13 +22,6 @@ class RequestState:
     # Positional blocks freed (null-replaced), for the gauges.
     nulls: int = 0
     # The move batch in flight, if any: the request is not planned again, and
-    # the batch's blocks (sources and destinations) are not freed, until acked.
+    # the batch's blocks (sources and destinations) are not freed, until acked
+    # (its blocks: reclaimer.InFlightMoves).
     move_batch: int | None = None
-    move_src: list[KVCacheBlock] = field(default_factory=list)
-    move_src_at: list[int] = field(default_factory=list)  # their list entries
-    move_dst: np.ndarray = field(default_factory=lambda: NO_BLOCKS)
-    # Evacuated sources a fresh block displaced from the positional list: the
-    # batch alone holds them (reclaimer.py), so vLLM's free does not see them;
-    # move_fresh[i] took move_detached[i]'s place.
-    move_detached: list[KVCacheBlock] = field(default_factory=list)
-    move_fresh: list[KVCacheBlock] = field(default_factory=list)

@@ -254,17 +254,17 @@ class VTokenScheduler:
         so its tokens switch to their new slots and the emptied sources go
         back to the pool (requests that finished or were preempted meanwhile
         dropped their part already)."""
-        batch = self.reclaimer.pop_batch(batch_id)
+        moves = self.reclaimer.pop_batch(batch_id)
+        batch = moves.batch
         recs = [self._reqs.get(rid) for rid in batch.req_ids]
-        keep = [r is not None and r.move_batch == batch_id for r in recs]
+        keep = np.fromiter(
+            (r is not None and r.move_batch == batch_id for r in recs), bool, len(recs)
+        )
         self.pool.apply_moves(
             batch.req_ids, batch.indptr, batch.idx, batch.dst_slots, keep=keep
         )
-        moved = np.diff(batch.indptr)[np.asarray(keep, dtype=bool)]
-        self.counters.moved_tokens += int(moved.sum())
-        self.reclaimer.release_sources(
-            list(compress(zip(batch.req_ids, recs, strict=True), keep))
-        )
+        self.counters.moved_tokens += int(np.diff(batch.indptr)[keep].sum())
+        self.reclaimer.release_sources(moves, recs, keep)
 
     def on_preempt(self, req: Request) -> None:
         """Before vLLM frees a preempted request's blocks. Goes: the slots
@@ -412,7 +412,10 @@ class VTokenScheduler:
     def check_integrity(self) -> None:
         """docs/DESIGN.md §4, across the Token Tables and vLLM's block pool."""
         integrity.check_blocks(
-            self.pool, self.block_pool, self.reclaimer.req_to_blocks, self._reqs
+            self.pool,
+            self.block_pool,
+            self.reclaimer.req_to_blocks,
+            self.reclaimer.detached(self._reqs),
         )
 
 
