@@ -320,7 +320,7 @@ def scale_section(d: dict, img: str) -> list[str]:
         "the Python and C calls those hooks make per step (counted in a 16-token "
         "run of its own), which noise does not touch."
         + (
-            " Probe: six small NumPy calls (engine_driver.probe) timed in that "
+            " Probe: ten small NumPy operations (engine_driver.probe) timed in that "
             "run as the scheduler's first hook starts, after the forward, and "
             "at once again: what a call costs where the hooks run, cold and warm."
             if probe

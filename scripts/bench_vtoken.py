@@ -657,7 +657,7 @@ def cmd_scale(args) -> dict:
                 before_calls = per_step(old, n, "hook_calls")
             calls = per_step(counted, n, "hook_calls")
             row = scale_row(mine, native_ms, calls, before, before_calls)
-            # What six NumPy calls take as the hooks start, and at once again.
+            # What ten small NumPy operations take as the hooks start, and again.
             for when in ("cold", "warm"):
                 ns = per_step(counted, n, f"probe_{when}_ns")
                 row[f"probe_{when}_us"] = 1e-3 * statistics.median(ns)

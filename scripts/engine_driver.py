@@ -237,7 +237,9 @@ PROBE_NS = {"cold": 0, "warm": 0}
 
 
 def probe() -> int:
-    """Six small NumPy calls of the kinds the hooks make; their wall time."""
+    """Ten small NumPy operations of the kinds the hooks make (a mask, a
+    nonzero, a cumsum, indexing, a concatenate, a tolist, an all); their wall
+    time."""
     import numpy as np
 
     a = np.arange(64, dtype=np.int64)
