@@ -321,7 +321,8 @@ def scale_section(d: dict, img: str) -> list[str]:
         "run of its own), which noise does not touch."
         + (
             " Probe: ten small NumPy operations (engine_driver.probe) timed in that "
-            "run as the scheduler's first hook starts, after the forward, and "
+            "run as the scheduler's begin_step starts (after the forward and vLLM's "
+            "output processing) and "
             "at once again: what a call costs where the hooks run, cold and warm."
             if probe
             else ""

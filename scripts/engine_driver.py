@@ -22,8 +22,9 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
               (every step), each request's evicted tokens (as of its last step)
   count_calls  count the Python and C calls engine steps make (slower)
   count_hook_calls  count those inside vToken's hooks, and time a fixed probe
-              of NumPy calls as the step's first hook starts (after the
-              forward) and again at once (warm): what a call costs there
+              of NumPy calls as the scheduler's begin_step starts (after the
+              last forward and vLLM's output processing) and again at once
+              (warm): what a call costs there
   light       record no per-request block state per step (large batches)
   force       per request, token ids to emit (teacher forcing, ForceTokens); the
               run then records "logprobs": the model's own for each forced token
@@ -232,7 +233,8 @@ HOOKS = {
 
 
 # Nanoseconds, summed over steps, of `probe` run first thing in the scheduler's
-# begin_step (after the last forward: "cold") and once more at once ("warm").
+# begin_step (after the last forward, sampling and update_from_output: "cold")
+# and once more at once ("warm").
 PROBE_NS = {"cold": 0, "warm": 0}
 
 

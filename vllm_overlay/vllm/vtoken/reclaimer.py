@@ -203,7 +203,9 @@ class BlockReclaimer:
             return
         null, freed, rids = self.block_pool.null_block, [], moves.batch.req_ids
         s, f, d = moves.src_indptr, moves.fresh_indptr, moves.dst_indptr
-        # Destinations with no live token: rare, so found for the batch at once.
+        # Destinations with no live token: rare, so found for the batch at once
+        # (reduceat: every request of a batch moves a token, so has a
+        # destination, and its segments are never empty).
         live = self.pool.block_live[moves.dst_ids]
         dead_dst = np.add.reduceat(live == 0, d[:-1]) if live.size else live
         src_ids, src_at = moves.src_ids.tolist(), moves.src_at.tolist()
@@ -417,6 +419,7 @@ class BlockReclaimer:
         src_ids = plan.src_block_ids.astype(np.int64)
         src = [by_id[b] for b in src_ids.tolist()]
         num_src, fresh_at = np.diff(plan.src_indptr), indptr_of(plan.num_fresh)
+        assert (plan.num_fresh <= num_src).all(), "a fresh block displaces no source"
         num_moves = np.diff(m.indptr)
         moving = num_moves > 0
         for k in np.flatnonzero(~moving).tolist():
@@ -431,6 +434,8 @@ class BlockReclaimer:
             sel = np.repeat(moving, num_src)
             src_ids, src = src_ids[sel], list(compress(src, sel.tolist()))
             fresh = list(compress(fresh, np.repeat(moving, plan.num_fresh).tolist()))
+        num_dst = np.diff(dst_at)[moving]
+        assert (num_dst > 0).all(), "a request moves tokens into no block"
         req_index = plan.req_index[moving].tolist()
         out_rids = [rids[r] for r in req_index]
         moves = InFlightMoves(
@@ -448,7 +453,7 @@ class BlockReclaimer:
             src_at=np.fromiter(map(entry_of.__getitem__, src_ids.tolist()), np.int64),
             fresh_indptr=indptr_of(plan.num_fresh[moving]),
             fresh=fresh,
-            dst_indptr=indptr_of(np.diff(dst_at)[moving]),
+            dst_indptr=indptr_of(num_dst),
             dst_ids=dst_ids,
             index={rid: k for k, rid in enumerate(out_rids)},
         )

@@ -1,0 +1,154 @@
+"""A move batch of several requests (reclaimer.InFlightMoves): a plan that
+mixes a request with nothing left to move, an evacuation and moves in place,
+bound, then acknowledged, or with one request dropped before the ack, or with
+a destination whose tokens all die in flight. White-box: the plan is built by
+hand, so that each request's part sits at a different offset of the batch's
+flat arrays (the single-request tests elsewhere cannot tell offsets apart)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tests.test_scheduler_side import B, setup
+
+
+def three(caching=True):
+    """Requests A, B and C, 12-token prompts (three blocks each), prefilled
+    in one step; the budget leaves every token live."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, a = setup("vtoken", caching=caching, blocks=32, budget=64)
+    hasher = get_request_block_hasher(B, sha256) if caching else None
+    reqs = [a]
+    for n, base in (("B", 200), ("C", 300)):
+        r = Request(
+            n,
+            list(range(base, base + 12)),
+            SamplingParams(max_tokens=8),
+            None,
+            block_hasher=hasher,
+        )
+        vt._requests[n] = r
+        reqs.append(r)
+    vt.begin_step([])
+    for r in reqs:
+        assert kv.allocate_slots(r, 12) is not None
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={r.request_id: 12 for r in reqs}))
+    for r in reqs:
+        r.num_computed_tokens += 12
+    vt.on_output(VTokenWorkerOutput())
+    for r in reqs:
+        r.append_output_token_ids(7)
+    vt.check_integrity()
+    return kv, vt, reqs
+
+
+def bind(kv, vt, caching):
+    """A: b1 all dead (no move; 1 fresh it does not use). B: tokens 1..6 dead,
+    b0, b1 evacuated into one fresh block (caching) / b0 into b1 (in place).
+    C: tokens 1..4 dead, token 0 moves into C.b1's hole (in place)."""
+    from vllm.vtoken.planner import BlockPlan
+
+    ids = {r: [b.block_id for b in vt.reclaimer.positional(r)] for r in "ABC"}
+    vt.pool.evict("A", np.arange(4, 8))
+    vt.pool.evict("B", np.arange(1, 7))
+    vt.pool.evict("C", np.arange(1, 5))
+    if caching:
+        src = [ids["A"][1], ids["B"][0], ids["B"][1], ids["C"][0]]
+        src_indptr, dst, dst_indptr = [0, 1, 3, 4], [ids["C"][1]], [0, 0, 0, 1]
+        fresh = [1, 1, 0]
+    else:
+        src = [ids["A"][1], ids["B"][0], ids["C"][0]]
+        src_indptr, dst, dst_indptr = (
+            [0, 1, 2, 3],
+            [ids["B"][1], ids["C"][1]],
+            [0, 0, 1, 2],
+        )
+        fresh = [0, 0, 0]
+    plan = BlockPlan(
+        req_index=np.array([0, 1, 2]),
+        src_indptr=np.array(src_indptr),
+        src_block_ids=np.array(src, np.int32),
+        dst_indptr=np.array(dst_indptr),
+        dst_block_ids=np.array(dst, np.int32),
+        num_fresh=np.array(fresh),
+    )
+    entry_of = {b: i for r in "ABC" for i, b in enumerate(ids[r][:3])}
+    recs = [vt._reqs[r] for r in "ABC"]
+    batch = vt.reclaimer._bind(plan, recs, list("ABC"), entry_of)
+    return ids, batch
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("drop", [None, "B", "C"])
+def test_a_batch_of_three_requests_binds_and_releases_each_ones_part(caching, drop):
+    """Bound: A's block freed at once (nothing to move) and its fresh block
+    returned; B's and C's parts at their own offsets. Acknowledged (with B or
+    C dropped first: on_free, its part undone): the kept requests' sources
+    leave their lists, no block stays busy, and every block comes back."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, reqs = three(caching)
+    free0 = kv.block_pool.get_num_free_blocks()
+    ids, batch = bind(kv, vt, caching)
+    assert batch.req_ids == ["B", "C"]
+    m = vt.reclaimer._inflight[batch.batch_id]
+    assert vt.reclaimer.positional("A")[1].is_null  # freed at once
+    assert kv.block_pool.get_num_free_blocks() == free0 + 1 - (1 if caching else 0)
+    # A's fresh block went back; B's is in B's list
+    if caching:
+        assert len(m.fresh) == 1 and m.fresh_indptr.tolist() == [0, 1, 1]
+        assert vt.reclaimer.positional("B")[0].block_id == m.fresh[0].block_id
+        assert m.src_ids.tolist() == [ids["B"][0], ids["B"][1], ids["C"][0]]
+        assert m.src_at.tolist() == [0, 1, 0]
+        assert m.dst_ids.tolist() == [m.fresh[0].block_id, ids["C"][1]]
+    else:
+        assert m.src_ids.tolist() == [ids["B"][0], ids["C"][0]]
+        assert m.dst_ids.tolist() == [ids["B"][1], ids["C"][1]]
+    assert m.dst_indptr.tolist() == [0, 1, 2]
+    vt.check_integrity()
+    if drop:
+        r = {x.request_id: x for x in reqs}[drop]
+        vt.on_free(r)
+        kv.free(r)
+        k, d = m.index[drop], m.dst_indptr
+        src = m.src_ids[m.src_indptr[k] : m.src_indptr[k + 1]].tolist()
+        dst = m.dst_ids[d[k] : d[k + 1]].tolist()
+        assert not any(b in vt.reclaimer._busy for b in src + dst)
+        vt.check_integrity()
+    vt.on_output(VTokenWorkerOutput(acked_batches=[batch.batch_id]))
+    vt.check_integrity()
+    assert not vt.reclaimer._busy and not vt.reclaimer._inflight
+    for r in "BC":
+        if r != drop:
+            now = [b.block_id for b in vt.reclaimer.positional(r)]
+            gone = [b for b in m.src_ids.tolist() if b in ids[r]]
+            assert gone and not set(gone) & set(now), (r, now, gone)
+    for r in list(vt._reqs):
+        x = vt._requests[r]
+        vt.on_free(x)
+        kv.free(x)
+    assert kv.block_pool.get_num_free_blocks() == 32 - 1  # all but the null block
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_destination_emptied_in_flight_is_freed_with_its_own_request(caching):
+    """C's destination (C.b1) loses every live token in flight: freed at the
+    ack, B's untouched (reduceat over two requests)."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, reqs = three(caching)
+    ids, batch = bind(kv, vt, caching)
+    vt.pool.evict("C", np.array([5, 6, 7]))  # C.b1's own live tokens die
+    vt.pool.evict("C", np.array([0]))  # and the one moving in
+    free = kv.block_pool.get_num_free_blocks()
+    vt.on_output(VTokenWorkerOutput(acked_batches=[batch.batch_id]))
+    vt.check_integrity()
+    assert vt.reclaimer.positional("C")[1].is_null
+    # sources of B and C, and C's dead destination
+    assert kv.block_pool.get_num_free_blocks() == free + (4 if caching else 3)
