@@ -269,10 +269,11 @@ def count_hook_calls() -> None:
         module, cls = where.split(":")
         cls = getattr(importlib.import_module(module), cls)
         for name in names:
+            first = (cls.__name__, name) == ("VTokenScheduler", "begin_step")
 
             @functools.wraps(fn := getattr(cls, name))
-            def counting(*args, _fn=fn, _first=name == "begin_step", **kwargs):
-                if _first and "Scheduler" in _fn.__qualname__:
+            def counting(*args, _fn=fn, _first=first, **kwargs):
+                if _first:
                     PROBE_NS["cold"] += probe()
                     PROBE_NS["warm"] += probe()
                 sys.setprofile(hook)

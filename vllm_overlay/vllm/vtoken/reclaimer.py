@@ -203,11 +203,9 @@ class BlockReclaimer:
             return
         null, freed, rids = self.block_pool.null_block, [], moves.batch.req_ids
         s, f, d = moves.src_indptr, moves.fresh_indptr, moves.dst_indptr
-        # Destinations with no live token: rare, so found for the batch at once
-        # (reduceat: every request of a batch moves a token, so has a
-        # destination, and its segments are never empty).
-        live = self.pool.block_live[moves.dst_ids]
-        dead_dst = np.add.reduceat(live == 0, d[:-1]) if live.size else live
+        # Destinations with no live token: rare, so looked for at once.
+        empty = self.pool.block_live[moves.dst_ids] == 0
+        any_empty = bool(empty.any())
         src_ids, src_at = moves.src_ids.tolist(), moves.src_at.tolist()
         spans = zip(
             kept.tolist(),
@@ -228,10 +226,9 @@ class BlockReclaimer:
             else:
                 rec.nulls += len(out)
             freed += moves.src[lo:hi]
-            if dead_dst.size and dead_dst[k]:
-                dst = moves.dst_ids[d[k] : d[k + 1]]
-                dead = dst[self.pool.block_live[dst] == 0].tolist()
-                freed += self._null_out(rid, rec, dead, unshared_only=True)
+            if any_empty and empty[d[k] : d[k + 1]].any():
+                dead = moves.dst_ids[d[k] : d[k + 1]][empty[d[k] : d[k + 1]]]
+                freed += self._null_out(rid, rec, dead.tolist(), unshared_only=True)
             rec.move_batch = None
         # The fresh blocks that replaced displaced sources came from the pool.
         self.counters.reclaimed_blocks -= int((f[kept + 1] - f[kept]).sum())
