@@ -339,7 +339,7 @@ def test_requests_without_queries_are_skipped():
 
 def test_bad_index_arrays_are_caught():
     b = make_batch(1, q_lens=[2], ctx_lens=[3], dead_frac=0.0)
-    with pytest.raises(AssertionError, match="disagree"):
+    with pytest.raises(ValueError, match="disagree"):
         cpu_read(
             b["query"],
             b["key_cache"],
@@ -350,7 +350,7 @@ def test_bad_index_arrays_are_caught():
             kv_slots=b["kv_slots"],
             scale=1.0,
         )
-    with pytest.raises(AssertionError, match="fewer live slots"):
+    with pytest.raises(ValueError, match="fewer live slots"):
         cpu_read(
             b["query"],
             b["key_cache"],
@@ -595,3 +595,35 @@ def test_score_only_requests_keep_the_rows_vllm_wrote(window):
     full = RecordingScores(query_window=window)
     run_cpu(b, scores=full)  # the masses do not depend on what is written
     torch.testing.assert_close(rec.calls[0][1], full.calls[0][1], atol=1e-6, rtol=0)
+
+
+def test_plan_fields_of_a_mixed_batch():
+    """The compiled plan build, field by field: a decode, a request without
+    keys (vLLM's kernel reads it), a prefill, one without queries this call,
+    and a second decode. Decodes are padded to the widest, others listed
+    with their keys, and score_pos lists decodes' keys first."""
+    B, H = 4, 2
+    qsl = np.array([0, 1, 3, 6, 6, 7])  # 1, 2, 3, 0, 1 queries
+    kv_loc = np.array([0, 3, 3, 7, 9, 11])  # 3, 0, 4, 2, 2 keys
+    slots = np.array([5, 9, 2, 40, 41, 42, 43, 7, 8, 13, 30])
+    write = np.array([True, True, False, True, True])
+    plan = build_cpu_read_plan(qsl, kv_loc, slots, B, H, write, np.array([1] * 5))
+    assert plan.num_decode == 2 and plan.others == [2]
+    assert plan.q_rows.tolist() == [0, 6]
+    keys = [[5, 9, 2], [13, 30, 5]]  # request 4's padded with slots[0]
+    assert (plan.blk * B + plan.off).tolist() == keys
+    assert plan.valid.tolist() == [[True] * 3, [True, True, False]]
+    v = [(s // B * H + h) * B + s % B for k in keys for h in range(H) for s in k]
+    assert plan.v_rows.tolist() == v
+    assert plan.other_q == [(3, 6)] and plan.other_loc == [0, 4]
+    assert plan.other_slots.tolist() == [40, 41, 42, 43]
+    assert plan.score_pos.tolist() == [0, 1, 2, 9, 10, 3, 4, 5, 6]
+    assert plan.decode_write is None and plan.other_write == [False]
+    assert plan.decode_counted is None and plan.other_rows == [1]
+    write[4] = False  # a decode read for its scores only, one not counted
+    plan = build_cpu_read_plan(
+        qsl, kv_loc, slots, B, H, write, np.array([1, 0, 2, 0, 0])
+    )
+    assert plan.decode_write.tolist() == [True, False]
+    assert plan.decode_counted.tolist() == [True, False]
+    assert plan.other_rows == [2]

@@ -440,3 +440,87 @@ def test_a_batch_memo_rebuilds_when_the_batch_or_the_rows_change():
     memo.clear()  # what the batch's constants were read from changed
     assert memo.get(["b", "a"], rows_of)[0].tolist() == [1, 0]
     assert built == [["a", "b"]] + [["b", "a"]] * 4
+
+
+def _separate_passes(pool, rows, computed, counts, slots, scored, hit_slots):
+    """append_read's reference: the passes it fuses, one call each."""
+    start = pool.num_slotted_rows(rows)
+    hits = np.maximum(computed - start, 0)
+    if hits.any():
+        slots = hit_slots(start, hits)
+    pool.append_rows(rows, hits + counts, slots[: int((hits + counts).sum())])
+    writes = pool.has_dead_rows(rows)
+    read = (writes | scored).nonzero()[0]
+    num_keys = np.zeros(rows.size, np.int64)
+    num_keys[read], idx, kv = read_keys(pool, rows[read], computed[read])
+    return writes, np.r_[0, num_keys.cumsum()], idx, kv
+
+
+def _with_hits(slots, counts, fresh):
+    """`hit_slots` of a step: row i's hits take the next of `fresh`, then its
+    counts[i] slots, as the worker lists them (VTokenWorker._with_hits)."""
+
+    def hit_slots(start, hits):
+        k, h = np.r_[0, counts.cumsum()], np.r_[0, hits.cumsum()]
+        parts = [
+            np.r_[fresh[h[i] : h[i + 1]], slots[k[i] : k[i + 1]]]
+            for i in range(counts.size)
+        ]
+        return np.concatenate(parts).astype(np.int64)
+
+    return hit_slots
+
+
+def test_append_read_is_the_separate_passes():
+    """Random steps on two pools, one fused call against the passes it
+    replaced: decodes, chunks, dead tokens, prefix-cache hits (slotted from
+    `hit_slots`), regions that grow, a resumed request recomputing dead
+    tokens (its dead queries read too), and rows not read at all."""
+    rng = np.random.default_rng(7)
+    fused, ref = TokenTablePool(4096, B), TokenTablePool(4096, B)
+    names = [f"r{i}" for i in range(12)]
+    for pool in (fused, ref):
+        for rid in names:
+            pool.add_request(rid)
+    next_slot = iter(range(4096 * B))
+    for step in range(60):
+        rids = list(rng.choice(names, size=rng.integers(1, 9), replace=False))
+        if step % 17 == 16:  # preempt one: it resumes, recomputing its tokens
+            for pool in (fused, ref):
+                pool.reset_slots(rids[0])
+        rows = fused.rows(rids)
+        assert (rows == ref.rows(rids)).all()
+        start = fused.num_slotted_rows(rows)
+        computed = start.copy()
+        if step % 5 == 0:  # a prefix-cache hit: computed, not slotted yet
+            computed[0] = start[0] + rng.integers(1, 6)
+        counts = rng.integers(1, 12, size=rows.size).astype(np.int64)
+        slots = np.array([next(next_slot) for _ in range(int(counts.sum()) + 3)])
+        hit_slots = _with_hits(slots, counts, [next(next_slot) for _ in range(8)])
+        scored = rng.random(rows.size) < 0.3
+        got = fused.append_read(rows, computed, counts, slots, scored, hit_slots)
+        want = _separate_passes(ref, rows, computed, counts, slots, scored, hit_slots)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        for pool in (fused, ref):  # evict some live tokens
+            pool.check_integrity()
+        live = [ref.live_idx(r) for r in rids]
+        dead = [rng.choice(x, size=min(x.size, 2), replace=False) for x in live]
+        for pool in (fused, ref):
+            for r, d in zip(rids, dead, strict=True):
+                pool.evict(r, d[d < pool.num_slotted(r)])
+    assert fused.total_live() == ref.total_live()
+    np.testing.assert_array_equal(fused.block_live, ref.block_live)
+
+
+def test_append_read_refuses_too_few_slots_and_changes_nothing():
+    pool = make_pool(a=[12, 13])
+    rows, before = pool.rows(["a"]), snapshot(pool, "a")
+    with pytest.raises(ValueError, match="fewer slots than tokens"):
+        pool._k.append_read(
+            rows, np.array([2]), np.array([3]), np.array([14, 15]),
+            np.array([True]), False, pool._a.start, pool._a.cap,
+            *[pool._a.cols[c] for c in ("n_tokens", "n_slotted", "n_live", "n_listed")],
+            pool._slot, pool._a.data["live"], pool._listed, pool.block_live, B,
+        )  # fmt: skip
+    assert_same(snapshot(pool, "a"), before)

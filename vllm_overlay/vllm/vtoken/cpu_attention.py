@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm.vtoken.arena import block_shift, indptr_of, ranges
+from vllm.vtoken.arena import block_shift
 from vllm.vtoken.score_kernel import tiled_attention
 
 if TYPE_CHECKING:
@@ -120,34 +120,52 @@ def build_cpu_read_plan(
             attention counts toward "window" scores (0: none); default: the
             scores' own window.
     """
-    from vllm.vtoken.read_kernels import decode_index  # numba: vToken on only
-
-    q_loc = np.asarray(query_start_loc, dtype=np.int64)
-    kv_loc = np.asarray(kv_indptr, dtype=np.int64)
-    slots = np.asarray(kv_slots, dtype=np.int64)
-    assert q_loc.shape == kv_loc.shape and kv_loc[-1] == slots.size, (
-        "query_start_loc, kv_indptr and kv_slots disagree"
-    )
-    num_q, num_k = q_loc[1:] - q_loc[:-1], kv_loc[1:] - kv_loc[:-1]
-    read = num_k > 0  # requests without keys are read by vLLM's kernel
-    assert (num_k[read] >= num_q[read]).all(), (
-        "a request has fewer live slots than queries"
-    )
-    decode = (read & (num_q == 1)).nonzero()[0]
-    others = (read & (num_q > 1)).nonzero()[0]
-    width = int(num_k[decode].max()) if decode.size else 0
-    blk, off, v_rows, valid = decode_index(
-        kv_loc, decode, slots, width, block_shift(block_size), num_kv_heads
-    )
-    # Every key read, decode requests' first (row-major over `valid`).
-    if others.size:
-        read_order = np.concatenate([decode, others])
-        score_pos = ranges(kv_loc[read_order], num_k[read_order])
-    else:  # decode only: every key, in kv_slots' order
-        score_pos = np.arange(slots.size, dtype=np.int64)
-    sel = score_pos[score_pos.size - int(num_k[others].sum()) :]
+    q_loc = np.ascontiguousarray(query_start_loc, dtype=np.int64)
     if write is None:
-        write = np.ones(len(num_q), dtype=bool)
+        write = np.ones(q_loc.size - 1, dtype=bool)
+    return cpu_read_plan(
+        q_loc,
+        np.ascontiguousarray(kv_indptr, dtype=np.int64),
+        np.ascontiguousarray(kv_slots, dtype=np.int64),
+        block_shift(block_size),
+        num_kv_heads,
+        np.ascontiguousarray(write, dtype=bool),
+        None if score_rows is None else np.ascontiguousarray(score_rows, np.int64),
+    )
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
+    """`build_cpu_read_plan` of int64 arrays (bool `write`, [R]): the
+    worker's call, one compiled pass (read_kernels.cpu_plan_index) and the
+    tensors' wrapping; a step of decodes makes no per-prefill lists."""
+    import vllm.vtoken.read_kernels as read_kernels  # numba: vToken on only
+
+    rows = _NO_ROWS if score_rows is None else score_rows
+    (
+        decode,
+        others,
+        blk,
+        off,
+        v_rows,
+        valid,
+        score_pos,
+        other_slots,
+        other_loc,
+        flags,
+    ) = read_kernels.cpu_plan_index(
+        q_loc, kv_loc, slots, write, rows, shift, num_kv_heads
+    )
+    if others.size:
+        q0, q1 = q_loc[others].tolist(), q_loc[others + 1].tolist()
+        other_q, other_write = list(zip(q0, q1, strict=True)), write[others].tolist()
+        other_rows = None if score_rows is None else score_rows[others].tolist()
+        others, other_loc = others.tolist(), other_loc.tolist()
+    else:  # decodes only
+        other_q, other_write, others, other_loc = [], [], [], [0]
+        other_rows = None if score_rows is None else []
     return CpuReadPlan(
         num_decode=decode.size,
         q_rows=torch.from_numpy(q_loc[decode]),
@@ -155,19 +173,19 @@ def build_cpu_read_plan(
         off=torch.from_numpy(off),
         v_rows=torch.from_numpy(v_rows),
         valid=torch.from_numpy(valid),
-        others=others.tolist(),
-        other_q=list(
-            zip(q_loc[others].tolist(), q_loc[others + 1].tolist(), strict=True)
-        ),
-        other_slots=torch.from_numpy(slots[sel]),
-        other_loc=indptr_of(num_k[others]).tolist(),
+        others=others,
+        other_q=other_q,
+        other_slots=torch.from_numpy(other_slots),
+        other_loc=other_loc,
         score_pos=torch.from_numpy(score_pos),
-        decode_write=None if write[decode].all() else torch.from_numpy(write[decode]),
-        other_write=write[others].tolist(),
-        decode_counted=None
-        if score_rows is None or (score_rows[decode] > 0).all()
-        else torch.from_numpy(score_rows[decode] > 0),
-        other_rows=None if score_rows is None else score_rows[others].tolist(),
+        decode_write=torch.from_numpy(write[decode])
+        if flags & read_kernels.SCORE_ONLY
+        else None,
+        other_write=other_write,
+        decode_counted=torch.from_numpy(score_rows[decode] > 0)
+        if flags & read_kernels.UNCOUNTED
+        else None,
+        other_rows=other_rows,
     )
 
 

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compiled loop of the CPU read plan's per-step index build (numba).
+"""Compiled index build of the CPU read plan, once a step (numba).
 
-Worker side, once a step (cpu_attention.build_cpu_read_plan): the padded
-decode batch's addresses, built in one pass over its keys instead of a dozen
-torch/NumPy passes over [R, W] and [R, H, W] temporaries. Imported only with
-vToken on; compiled at import, as table_kernels.py is.
+Worker side (cpu_attention.build_cpu_read_plan): which requests decode and
+which prefill, the padded decode batch's addresses, the order the masses come
+back in, and the prefills' keys, in one call. As NumPy this was ~40 Python-
+level calls a step, and a call made right after the forward costs ~10x its
+warm time (docs/DESIGN.md §10). Imported only with vToken on; compiled at
+import, as table_kernels.py is.
 """
 
 from __future__ import annotations
@@ -12,28 +14,73 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-_i64 = numba.int64[::1]
+_i64, _b1 = numba.int64[::1], numba.boolean[::1]
 _i64_2d, _b1_2d = numba.int64[:, ::1], numba.boolean[:, ::1]
+
+# cpu_plan_index's flags: some decode request is read for its scores only,
+# or (window scores) has no row that counts.
+SCORE_ONLY, UNCOUNTED = 1, 2
 
 
 @numba.njit(
-    numba.types.Tuple((_i64_2d, _i64_2d, _i64, _b1_2d))(
-        _i64, _i64, _i64, numba.int64, numba.int64, numba.int64
-    ),
+    numba.types.Tuple(
+        (_i64, _i64, _i64_2d, _i64_2d, _i64, _b1_2d, _i64, _i64, _i64, numba.int64)
+    )(_i64, _i64, _i64, _b1, _i64, numba.int64, numba.int64),
     cache=True,
     nogil=True,
 )
-def decode_index(kv_loc, decode, kv_slots, width, shift, num_kv_heads):
-    """(blk, off, v_rows, valid) of the decode requests, padded to `width`
-    keys: request i's keys are kv_slots[kv_loc[d]:kv_loc[d + 1]], d =
-    decode[i]; padding repeats kv_slots[0] and is False in `valid`. v_rows
-    [R * H * W]: the same keys as rows of the value cache viewed [N * H * B, D].
-    Blocks of 1 << shift slots (arena.block_shift)."""
-    R, H, block_size = decode.size, num_kv_heads, 1 << shift
-    blk, off = np.empty((R, width), np.int64), np.empty((R, width), np.int64)
-    valid = np.empty((R, width), np.bool_)
-    v_rows = np.empty(R * H * width, np.int64)
-    for i in range(R):
+def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_heads):
+    """(decode, others, blk, off, v_rows, valid, score_pos, other_slots,
+    other_loc, flags) of a step's read; see CpuReadPlan.
+
+    Request r has queries [q_loc[r], q_loc[r + 1]) and keys kv_slots[kv_loc[r]:
+    kv_loc[r + 1]]; one without keys is not read. `decode`: the read requests
+    with one query, `others` the rest. Decode request i's keys are padded to the
+    widest (`blk`, `off`, `valid` [R, W]; padding repeats kv_slots[0]); v_rows
+    [R * H * W] the same keys as rows of the value cache viewed [N * H * B, D].
+    A request without queries this call is not read either.
+    `score_pos`: every key read, decode requests' first, as positions in
+    kv_slots; `other_slots` the others' keys, `other_loc` their CSR. `write`
+    [R]: whose output the read writes; `score_rows` [R] (or empty): rows that
+    count for "window" scores. Blocks of 1 << shift slots (arena.block_shift)."""
+    n = q_loc.size - 1
+    if kv_loc.size != n + 1 or kv_loc[n] != kv_slots.size or write.size != n:
+        raise ValueError("query_start_loc, kv_indptr and kv_slots disagree")
+    if score_rows.size not in (0, n):
+        raise ValueError("score_rows is not one per request")
+    num_dec = num_oth = width = oth_keys = flags = 0
+    for r in range(n):
+        nq, nk = q_loc[r + 1] - q_loc[r], kv_loc[r + 1] - kv_loc[r]
+        if nk == 0 or nq == 0:  # no keys: vLLM's kernel; no queries: nothing
+            continue
+        if nk < nq:
+            raise ValueError("a request has fewer live slots than queries")
+        if nq == 1:
+            num_dec += 1
+            width = max(width, nk)
+            flags |= SCORE_ONLY * (not write[r])
+            flags |= UNCOUNTED * (score_rows.size > 0 and score_rows[r] <= 0)
+        else:
+            num_oth += 1
+            oth_keys += nk
+    decode, others = np.empty(num_dec, np.int64), np.empty(num_oth, np.int64)
+    d = o = 0
+    for r in range(n):
+        if kv_loc[r + 1] > kv_loc[r] and q_loc[r + 1] > q_loc[r]:
+            if q_loc[r + 1] - q_loc[r] == 1:
+                decode[d] = r
+                d += 1
+            else:
+                others[o] = r
+                o += 1
+    H, block_size = num_kv_heads, 1 << shift
+    blk = np.empty((num_dec, width), np.int64)
+    off = np.empty((num_dec, width), np.int64)
+    valid = np.empty((num_dec, width), np.bool_)
+    v_rows = np.empty(num_dec * H * width, np.int64)
+    score_pos = np.empty(kv_slots.size, np.int64)
+    m = 0
+    for i in range(num_dec):
         lo, hi = kv_loc[decode[i]], kv_loc[decode[i] + 1]
         for w in range(width):
             ok = lo + w < hi
@@ -43,4 +90,20 @@ def decode_index(kv_loc, decode, kv_slots, width, shift, num_kv_heads):
             blk[i, w], off[i, w], valid[i, w] = b, o, ok
             for h in range(H):
                 v_rows[(i * H + h) * width + w] = (b * H + h) * block_size + o
-    return blk, off, v_rows, valid
+        for p in range(lo, hi):
+            score_pos[m] = p
+            m += 1
+    other_slots = np.empty(oth_keys, np.int64)
+    other_loc = np.zeros(num_oth + 1, np.int64)
+    for i in range(num_oth):
+        lo, hi = kv_loc[others[i]], kv_loc[others[i] + 1]
+        for p in range(lo, hi):
+            other_slots[other_loc[i] + p - lo] = kv_slots[p]
+            score_pos[m] = p
+            m += 1
+        other_loc[i + 1] = other_loc[i] + hi - lo
+    score_pos = score_pos[:m]
+    return (
+        decode, others, blk, off, v_rows, valid, score_pos, other_slots,
+        other_loc, flags,
+    )  # fmt: skip

@@ -188,3 +188,93 @@ def emptied_blocks(rows, seg, idx, start, n_slotted, slot, block_live, B, num_bl
             out[m], entry[m] = keys[j], at[j]
             m += 1
     return out[:m] // num_blocks, out[:m] % num_blocks, entry[:m]
+
+
+# append_read's status bits: nothing changed (HITS, ROOM), or keys not listed.
+HITS, ROOM, DEAD_QUERY = 1, 2, 4
+
+
+@numba.njit(
+    numba.types.Tuple((numba.int64, numba.int64, _b1, _i64, _i64, _i64))(
+        _i64, _i64, _i64, _i64, _b1, numba.boolean,
+        _i64, _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64,
+    ),
+    **_jit,
+)  # fmt: skip
+def append_read(
+    rows, computed, counts, slots, scored, with_hits,
+    start, cap, n_tokens, n_slotted, n_live, n_listed, slot, live, listed,
+    block_live, block_size,
+):  # fmt: skip
+    """The worker's step on its tables, one pass (VTokenWorker.prepare_attention):
+    row i takes its prefix-cache hits (tokens [n_slotted, computed[i]), listed
+    first in `slots` when `with_hits`) and counts[i] new tokens (`append_rows`);
+    rows with a dead token after that, or `scored`, are read: their keys are
+    their live slotted tokens before computed[i], then the step's queries.
+
+    Returns (status, new, writes, kv_indptr, idx, kv): `new` tokens were born,
+    writes[i] says row i has a dead token, and row i's keys are entries
+    [kv_indptr[i], kv_indptr[i + 1]) of idx (logical) and kv (slots); an
+    unread row has none. status HITS (a row has hits and not `with_hits`) or
+    ROOM (a region is too small: arena.reserve) changed nothing; DEAD_QUERY:
+    a query token is dead (a resumed request recomputes it), so the keys,
+    which list live tokens only, are not the read's (context.read_keys)."""
+    R = rows.size
+    status = total = 0
+    for i in range(R):
+        r = rows[i]
+        hits = max(computed[i] - n_slotted[r], 0)
+        if hits and not with_hits:
+            status |= HITS
+        if n_slotted[r] + hits + counts[i] > cap[r]:
+            status |= ROOM
+        total += counts[i] + (hits if with_hits else 0)
+    if total > slots.size:
+        raise ValueError("append_read: fewer slots than tokens")
+    empty = np.zeros(0, np.int64)
+    if status:
+        return status, 0, np.zeros(R, np.bool_), empty, empty, empty
+    k = new = 0
+    for i in range(R):  # append_rows, the hits first
+        r = rows[i]
+        base, first, known = start[r], n_slotted[r], n_tokens[r]
+        end, born = first + max(computed[i] - first, 0) + counts[i], 0
+        for t in range(first, end):
+            s = slots[k]
+            k += 1
+            slot[base + t] = s
+            if t >= known:
+                live[base + t] = True
+                listed[base + n_listed[r] + born] = t
+                born += 1
+            if live[base + t]:
+                block_live[s // block_size] += 1
+        n_live[r] += born
+        n_listed[r] += born
+        new += born
+        n_tokens[r] = max(known, end)
+        n_slotted[r] = end
+    writes = np.empty(R, np.bool_)
+    kv_indptr = np.zeros(R + 1, np.int64)
+    n = 0
+    for i in range(R):
+        r = rows[i]
+        writes[i] = n_live[r] < n_tokens[r]
+        if writes[i] or scored[i]:
+            n += n_listed[r]
+    idx, kv = np.empty(n, np.int64), np.empty(n, np.int64)
+    m = 0
+    for i in range(R):  # read_walk of the rows read
+        r = rows[i]
+        if writes[i] or scored[i]:
+            base, end, queries = start[r], n_slotted[r], 0
+            for j in range(base, base + n_listed[r]):
+                t = listed[j]
+                if t < end and live[base + t]:
+                    idx[m], kv[m] = t, slot[base + t]
+                    queries += t >= computed[i]
+                    m += 1
+            if queries != end - computed[i]:
+                status |= DEAD_QUERY
+        kv_indptr[i + 1] = m
+    return status, new, writes, kv_indptr, idx[:m], kv[:m]

@@ -32,7 +32,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import BatchMemo, RowArena, add_counts, as_index, segments
+from vllm.vtoken.arena import (
+    BatchMemo,
+    RowArena,
+    add_counts,
+    as_index,
+    indptr_of,
+    segments,
+)
 
 
 class TokenTablePool:
@@ -130,6 +137,58 @@ class TokenTablePool:
             c["n_live"], c["n_listed"], a["slot"], a["live"], a["listed"],
             self.block_live, self.block_size,
         )  # fmt: skip
+
+    def append_read(self, rows, computed, counts, slots, scored, hit_slots=None):
+        """The worker's step in one compiled pass (table_kernels.append_read):
+        `append_rows` of each row's prefix-cache hits (tokens [num_slotted,
+        computed[i]): `hit_slots(num_slotted, hits)` lists them before the
+        new slots, called only when a row has some) and of counts[i] new tokens
+        from `slots` (int64, flat; extra entries ignored), then the keys of
+        the rows to read: those with a dead token, or `scored` (bool [R]).
+        `rows` distinct, every array int64 but `scored`. Returns (writes,
+        kv_indptr, idx, kv): writes[i] says row i has a dead token, its keys
+        are [kv_indptr[i], kv_indptr[i + 1]) of idx (logical) and kv
+        (slots), `context.read_keys` order; an unread row has none."""
+        k, a, c = self._k, self._a.data, self._a.cols
+        if integrity.CHECK:
+            self._check_append(rows, counts, slots)
+
+        def run(with_hits, s):
+            return k.append_read(
+                rows, computed, counts, s, scored, with_hits, self._a.start,
+                self._a.cap, c["n_tokens"], c["n_slotted"], c["n_live"],
+                c["n_listed"], a["slot"], a["live"], a["listed"],
+                self.block_live, self.block_size,
+            )  # fmt: skip
+
+        status, new, writes, kv_indptr, idx, kv = run(False, slots)
+        if status & (k.HITS | k.ROOM):  # rare: nothing changed, so again
+            start = c["n_slotted"][rows]
+            hits = np.maximum(computed - start, 0)
+            if status & k.HITS:
+                slots = hit_slots(start, hits)
+            self._a.reserve(rows, start + hits + counts)
+            status, new, writes, kv_indptr, idx, kv = run(True, slots)
+            assert not status & k.ROOM, "append_read: regions reserved, yet short"
+        self._total_live += new
+        if status & k.DEAD_QUERY:  # a resumed request recomputes dead tokens
+            from vllm.vtoken.context import read_keys
+
+            read = (writes | scored).nonzero()[0]
+            num_keys = np.zeros(rows.size, np.int64)
+            num_keys[read], idx, kv = read_keys(self, rows[read], computed[read])
+            kv_indptr = indptr_of(num_keys)
+        return writes, kv_indptr, idx, kv
+
+    def _check_append(self, rows, counts, slots) -> None:
+        assert np.unique(rows).size == rows.size, "a row twice in one batch"
+        s = slots[: int(counts.sum())]
+        assert s.size == int(counts.sum()), "fewer slots than tokens"
+        assert s.size == 0 or (0 <= s.min() and s.max() < self.num_slots), (
+            f"slots outside [0, {self.num_slots})"
+        )
+        key = np.repeat(np.arange(rows.size), counts) * self.num_slots + s
+        assert np.unique(key).size == key.size, "slots holds a slot twice"
 
     def tokens(self, rows: np.ndarray):
         """Every slotted token of `rows`, flat: (seg, idx, live, slot), the

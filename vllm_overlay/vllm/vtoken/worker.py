@@ -22,6 +22,7 @@ scheduler's, so with several workers nothing but those messages is shared.
 
 from __future__ import annotations
 
+from functools import partial
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -29,11 +30,11 @@ import numpy as np
 import torch
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, indptr_of, lookup, ranges, values
+from vllm.vtoken.arena import attrs, block_shift, indptr_of, lookup, ranges, values
 from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
-from vllm.vtoken.context import TokenRead, read_keys, set_token_read
+from vllm.vtoken.context import TokenRead, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
-from vllm.vtoken.cpu_attention import build_cpu_read_plan
+from vllm.vtoken.cpu_attention import cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.ranks import Acks, RankGroups
@@ -107,6 +108,7 @@ class VTokenWorker:
         refuse_unsupported_attention(vllm_config)
         self.cfg = cfg = vllm_config.vtoken_config
         self.block_size = B = vllm_config.cache_config.block_size
+        self._shift = block_shift(B)
         device = kv_caches[0].device
         num_blocks = kv_caches[0].shape[1 if device.type == "cpu" else 0]
         self.pool = TokenTablePool(num_blocks, B)
@@ -214,25 +216,18 @@ class VTokenWorker:
         counts = num_scheduled[:num_reqs].astype(np.int64)
         qsl = indptr_of(counts)
         rows, scored = self._batch.get(rids, lambda b: self._rows_of(b, requests))
-        new = slot_mapping[: qsl[-1]].astype(np.int64)
-        start = pool.num_slotted_rows(rows)
-        hits = np.maximum(computed - start, 0)
-        if hits.any():  # prefix-cache hits: slotted from the block table first
-            new = self._with_hits(rids, requests, start, hits, counts, new)
-        pool.append_rows(rows, hits + counts, new)
-        writes = pool.has_dead_rows(rows)
-        reads = writes | scored
-        if not reads.any():
+        new = slot_mapping[: qsl[-1]]
+        # Append, then the keys of the rows read: live tokens before the
+        # step, then every query token. A query token may be dead when a
+        # preempted request recomputes its KV; it is attended this once and
+        # stays dead afterwards. Rows not read get no keys: vLLM's kernel
+        # reads their positional KV. One compiled call (DESIGN §10).
+        writes, kv_indptr, idx, kv_np = pool.append_read(
+            rows, computed, counts, new, scored,
+            partial(self._with_hits, rids, requests, counts, new),
+        )  # fmt: skip
+        if kv_np.size == 0:
             return  # nobody reads through the token table this step
-        # Keys of the rows read: live tokens before the step, then every query
-        # token. A query token may be dead when a preempted request recomputes
-        # its KV; it is attended this once and stays dead afterwards. Rows not
-        # read get no keys: vLLM's kernel reads their positional KV.
-        read = reads.nonzero()[0]
-        counts_read, idx, kv_np = read_keys(pool, rows[read], computed[read])
-        num_keys = np.zeros(num_reqs, dtype=np.int64)
-        num_keys[read] = counts_read
-        kv_indptr = indptr_of(num_keys)
         score_rows = None
         if self.scores is not None:
             self.scores.begin_step(kv_np.size)
@@ -251,15 +246,10 @@ class VTokenWorker:
                 )
         if self._device.type == "cpu":
             kv_slots = torch.from_numpy(kv_np)
-            plan = build_cpu_read_plan(
-                qsl,
-                kv_indptr,
-                kv_np,
-                B,
-                self._num_kv_heads,
-                write=writes,
-                score_rows=score_rows,
-            )
+            plan = cpu_read_plan(
+                qsl, kv_indptr, kv_np, self._shift, self._num_kv_heads, writes,
+                score_rows,
+            )  # fmt: skip
         else:
             from vllm.vtoken.triton_plan import build_triton_read_plan
 
@@ -297,7 +287,7 @@ class VTokenWorker:
         self.pool.add_request(rid)
         self._scored[rid] = self._reads_scores(requests[rid])
 
-    def _with_hits(self, rids, requests, start, hits, counts, new) -> np.ndarray:
+    def _with_hits(self, rids, requests, counts, new, start, hits) -> np.ndarray:
         """The step's slots with each request's prefix-cache hits (tokens
         [start, num_computed), from its block table) before its new tokens.
         Runs on a request's first step only (or its resume)."""
