@@ -181,7 +181,7 @@ def fold(acc, per_req: dict, masses, norm=1.0, num_queries=None):
     for mass in masses:
         acc.add(torch.arange(int(indptr[-1])), torch.tensor(mass))
     nq = np.ones(len(rids), np.int64) if num_queries is None else num_queries
-    acc.finish_step(rids, indptr, idx, nq, norm)
+    acc.finish_step(rids, indptr, idx, np.r_[0, np.cumsum(nq)], norm)
 
 
 def test_sum_mode_accumulates_normalized_mass_per_request_and_token():
@@ -320,8 +320,8 @@ def test_scores_cross_as_one_step_and_fold_on_the_scheduler():
         for acc in (worker, ref):
             acc.begin_step(keys.size)
             acc.add(torch.arange(keys.size), mass)
-        step = worker.take_step(["a", "b"], indptr, keys, np.array([1, 1]), 2.0)
-        ref.finish_step(["a", "b"], indptr, keys, np.array([1, 1]), 2.0)
+        step = worker.take_step(["a", "b"], indptr, keys, np.array([0, 1, 2]), 2.0)
+        ref.finish_step(["a", "b"], indptr, keys, [0, 1, 2], 2.0)
         sched.fold(step, known={"a": 0, "b": 0})
         sizes.append(len(pickle.dumps(step)))
     for rid in "ab":

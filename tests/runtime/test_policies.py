@@ -182,7 +182,9 @@ def scissorhands_run(policy, rid, steps, importance, acc=None):
         imp = np.asarray(importance(step), dtype=np.float32)
         acc.begin_step(imp.size)
         acc.add(torch.arange(imp.size), torch.from_numpy(imp))  # 1 query, norm 1
-        acc.finish_step([rid], np.array([0, imp.size]), np.arange(imp.size), [1], 1.0)
+        acc.finish_step(
+            [rid], np.array([0, imp.size]), np.arange(imp.size), [0, 1], 1.0
+        )
     return acc
 
 

@@ -128,7 +128,7 @@ def test_scissorhands_matches_an_exact_windowed_count(steps, window, num_evict):
         k = len(important)  # the step's read: every token so far, one query
         acc.begin_step(k)
         acc.add(torch.arange(k), torch.tensor(important, dtype=torch.float32))
-        acc.finish_step(["s"], np.array([0, k]), np.arange(k), [1], 1.0)
+        acc.finish_step(["s"], np.array([0, k]), np.arange(k), [0, 1], 1.0)
     n = len(important)
     age = len(steps) - np.array(birth)  # folds seen, its birth step's included
     exact = np.where(important, 0, np.minimum(age, window))

@@ -65,3 +65,37 @@ def test_the_compiled_persistence_gain_is_the_numpy_one(seed):
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want.astype(np.float32))
     assert 0 < got.sum() < got.size
+
+
+@pytest.mark.parametrize("mode", ["sum", "persistence"])
+def test_take_step_gains_are_numpys_to_the_bit(mode):
+    """The worker's one compiled pass (fold_kernels.step_gains) against the
+    NumPy it replaced: mass / norm in float32 (NumPy's promotion), or the
+    persistence flags; requests without keys left out of the step."""
+    import torch
+
+    from vllm.vtoken.scores import ScoreAccumulator
+
+    rng = np.random.default_rng(3)
+    klen = rng.integers(0, 40, 30)
+    klen[[0, 7, 29]] = 0  # not read this step
+    indptr, qsl = np.r_[0, np.cumsum(klen)], np.r_[0, np.cumsum(rng.integers(1, 5, 30))]
+    mass = (rng.random(indptr[-1]) * 7).astype(np.float32)
+    idx = np.concatenate([np.arange(n) for n in klen])
+    acc = ScoreAccumulator(mode)
+    acc.begin_step(mass.size)
+    acc.add(torch.arange(mass.size), torch.from_numpy(mass))
+    rids = [f"r{i}" for i in range(30)]
+    step = acc.take_step(rids, indptr, idx, qsl, 6.0)
+    if mode == "sum":
+        want = (mass / 6.0).astype(np.float32)
+    else:
+        want = mass * np.repeat(klen, klen) >= 6.0 * np.repeat(np.diff(qsl), klen)
+    np.testing.assert_array_equal(step.gain, want.astype(np.float32))
+    read = klen.nonzero()[0]
+    assert step.req_ids == [rids[r] for r in read]
+    np.testing.assert_array_equal(step.indptr, np.r_[0, np.cumsum(klen[read])])
+    assert step.key_idx is idx
+    with pytest.raises(ValueError, match="disagree"):
+        acc.begin_step(mass.size)
+        acc.take_step(rids, indptr, idx, qsl[:-1], 6.0)

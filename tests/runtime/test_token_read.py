@@ -19,7 +19,7 @@ _SETUP = """
 
     def fold(scores, indptr, qsl, norm):  # requests a, b, c; keys by token
         idx = np.concatenate([np.arange(n) for n in np.diff(indptr)])
-        scores.finish_step(list("abc"), indptr, idx, np.diff(qsl), norm)
+        scores.finish_step(list("abc"), indptr, idx, qsl, norm)
 
     gen = torch.Generator().manual_seed(3)
     N, H, Hq, B, D = 10, 2, 4, 16, 32

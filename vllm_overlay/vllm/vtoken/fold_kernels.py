@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compiled loops of the running scores' per-step fold and read (numba).
+"""Compiled loops of the scores' per-step gains, fold and read (numba).
 
-Scheduler side (scores.ScoreAccumulator): once a step the worker's gains are
-folded into acc[request][logical token], and the policies read the scores of
-the batch's live tokens, each in one pass instead of a dozen NumPy passes over
+Worker side, the step's masses become each key's gain (`step_gains`);
+scheduler side (scores.ScoreAccumulator), once a step those gains are folded
+into acc[request][logical token], and the policies read the scores of the
+batch's live tokens, each in one pass instead of a dozen NumPy passes over
 the step's keys. Imported only with vToken on; compiled at import, as
 table_kernels.py is.
 """
@@ -58,3 +59,39 @@ def persistence_gain(mass, indptr, num_queries, norm):
         for j in range(indptr[r], indptr[r + 1]):
             out[j] = 1.0 if np.float64(mass[j]) * keys >= bar else 0.0
     return out
+
+
+@numba.njit(
+    numba.types.Tuple((_f32, _i64, _i64))(
+        _f32, _i64, _i64, numba.float64, numba.boolean
+    ),
+    **_jit,
+)
+def step_gains(mass, indptr, q_loc, norm, persistence):
+    """(gain, read, read_indptr) of a step (ScoreAccumulator.take_step):
+    request r's keys are [indptr[r], indptr[r + 1]) of `mass`, its queries
+    [q_loc[r], q_loc[r + 1]); gain is mass / norm, in float32 as NumPy
+    divides it, or `persistence_gain`; `read` lists the requests with keys,
+    `read_indptr` their keys' CSR."""
+    n = indptr.size - 1
+    if q_loc.size != n + 1 or indptr[n] != mass.size:
+        raise ValueError("take_step: key_indptr, the masses and the queries disagree")
+    if persistence:
+        nq = np.empty(n, np.int64)
+        for r in range(n):
+            nq[r] = q_loc[r + 1] - q_loc[r]
+        gain = persistence_gain(mass, indptr, nq, norm)
+    else:
+        gain = np.empty(mass.size, np.float32)
+        f = np.float32(norm)
+        for j in range(mass.size):
+            gain[j] = mass[j] / f
+    read = np.empty(n, np.int64)
+    read_indptr = np.zeros(n + 1, np.int64)
+    m = 0
+    for r in range(n):
+        if indptr[r + 1] > indptr[r]:
+            read[m] = r
+            read_indptr[m + 1] = read_indptr[m] + indptr[r + 1] - indptr[r]
+            m += 1
+    return gain, read[:m], read_indptr[: m + 1]

@@ -17,6 +17,7 @@ zero when it first appears.
                                        of the step's TokenRead, in read order
     forward   add(pos, mass)           per layer, the mass each key received
     end_step  take_step(...)           one device-to-host copy: each key's gain
+                                       (fold_kernels.step_gains)
     on_output fold(step)               (scheduler) one fold into
                                        acc[rid][logical idx], batch-wide
                                        (rows of an arena.RowArena):
@@ -130,53 +131,46 @@ class ScoreAccumulator:
         ranks.py)."""
         self._step = reduce(self._step, self.aggregate)
 
-    def finish_step(self, *step_args) -> None:
-        """`fold(take_step(*step_args))`: both halves in one process (tests)."""
-        self.fold(self.take_step(*step_args))
+    def finish_step(self, req_ids, key_indptr, key_idx, query_start_loc, norm):
+        """`fold(take_step(...))`, both halves in one process, of any int
+        sequences (tests)."""
+        i64 = [np.asarray(a, np.int64) for a in (key_indptr, key_idx, query_start_loc)]
+        self.fold(self.take_step(req_ids, *i64, norm))
 
     def take_step(
         self,
         req_ids: list[str],
         key_indptr: np.ndarray,
         key_idx: np.ndarray,
-        num_queries: np.ndarray,
+        query_start_loc: np.ndarray,
         norm: float,
     ) -> ScoreStep:
-        """Worker side: the step buffer as each key's gain, for `fold`.
+        """Worker side: the step buffer as each key's gain, for `fold` (one
+        device-to-host copy and one compiled pass, fold_kernels.step_gains).
 
         Args:
             req_ids: [R] the step's requests, in read order.
-            key_indptr: int [R + 1] request r's keys (empty: not read).
-            key_idx: int [K] the logical token of each key, distinct per request.
-            num_queries: int [R] query rows of each request this step.
+            key_indptr: int64 [R + 1] request r's keys (empty: not read).
+            key_idx: int64 [K] the logical token of each key, distinct per
+                request.
+            query_start_loc: int64 [R + 1] request r's query rows this step.
             norm: num_layers * num_heads (> 0).
         """
-        assert norm > 0, norm
-        indptr = np.asarray(key_indptr, dtype=np.int64)
-        assert indptr[-1] == self._step.numel() == len(key_idx), (
-            indptr[-1],
-            self._step.numel(),
-            len(key_idx),
-        )
-        mass = self._step.cpu().numpy()  # the step's one device-to-host copy
+        assert norm > 0 and len(key_idx) == self._step.numel(), (norm, len(key_idx))
+        mass = self._step.cpu().numpy()
         self._step = self._step[:0]
         if self.aggregate == "max":
             norm = 1.0  # one head of one layer, not their sum
-        klen = indptr[1:] - indptr[:-1]
-        if self.mode != "persistence":
-            gain = (mass / norm).astype(np.float32)
-        else:  # mean prob = mass / (norm * q) >= 1 / keys, without dividing
-            q = np.asarray(num_queries, np.int64)
-            gain = self._k.persistence_gain(mass, indptr, q, float(norm))
-        read = klen.nonzero()[0]
+        gain, read, indptr = self._k.step_gains(
+            mass, key_indptr, query_start_loc, norm, self.mode == "persistence"
+        )
+        n = len(req_ids)
         return ScoreStep(
-            req_ids=(
-                list(req_ids)
-                if read.size == klen.size
-                else [req_ids[r] for r in read.tolist()]
-            ),
-            indptr=indptr_of(klen[read]),
-            key_idx=np.asarray(key_idx, dtype=np.int64),
+            req_ids=list(req_ids)
+            if read.size == n
+            else [req_ids[r] for r in read.tolist()],
+            indptr=indptr,
+            key_idx=key_idx,
             gain=gain,
         )
 

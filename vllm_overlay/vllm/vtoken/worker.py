@@ -328,11 +328,9 @@ class VTokenWorker:
         step_scores = None
         if read is not None and self.scores is not None:
             (rids, key_idx), self._read_keys = self._read_keys, None
-            qsl = read.query_start_loc
-            nq = qsl[1:] - qsl[:-1]
             self.scores.reduce_step(self._ranks.reduce_scores)
             step_scores = self.scores.take_step(
-                rids, read.kv_indptr, key_idx, nq, self._score_norm
+                rids, read.kv_indptr, key_idx, read.query_start_loc, self._score_norm
             )
         self.apply_moves()
         acked = self._acks.take()
