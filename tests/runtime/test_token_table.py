@@ -524,3 +524,36 @@ def test_append_read_refuses_too_few_slots_and_changes_nothing():
             pool._slot, pool._a.data["live"], pool._listed, pool.block_live, B,
         )  # fmt: skip
     assert_same(snapshot(pool, "a"), before)
+
+
+def test_positional_slots_take_the_tail_block_then_the_lists():
+    """The scheduler's slotting (slot_spans, positional_slots): a row mid-
+    block continues in its tail block, one at a block's end starts the next
+    list entry, a chunk spans several, a fresh row takes entries from 0; only
+    the entries past the tail are asked for. A short id list is refused."""
+    lists = {"mid": [3, 7, 9], "edge": [2, 5, 6], "chunk": [1, 4, 8, 10, 11]}
+    pool = make_pool(num_blocks=16, mid=[12, 13], edge=[8, 9, 10, 11], chunk=[4])
+    pool.add_request("fresh")
+    lists["fresh"] = [14, 15]
+    rids = ["mid", "edge", "chunk", "fresh"]
+    rows, take = pool.rows(rids), np.array([1, 1, 9, 6])
+    resumed, fresh, need, first, end = pool.slot_spans(rows, take)
+    assert not resumed and fresh.tolist() == [3]
+    assert need.tolist() == [1, 2, 3]  # "mid" stays in its tail block
+    assert first.tolist() == [1, 1, 0] and end.tolist() == [2, 3, 2]
+    ids = [
+        lists[rids[i]][k]
+        for i, f, e in zip(need, first, end, strict=True)
+        for k in range(f, e)
+    ]
+    got = pool.positional_slots(rows, take, np.array(ids))
+    want = [
+        lists[r][t // B] * B + t % B
+        for r, n in zip(rids, take, strict=True)
+        for t in range(pool.num_slotted(r), pool.num_slotted(r) + n)
+    ]
+    assert got.tolist() == want
+    with pytest.raises(ValueError, match="too short"):
+        pool.positional_slots(rows, take, np.array(ids[:-1]))
+    pool.reset_slots("edge")  # preempted: re-slotting known tokens
+    assert pool.slot_spans(rows, take)[0]

@@ -314,12 +314,56 @@ class VTokenScheduler:
 
     def _sync_slots(self, scheduled: dict[str, int]) -> None:
         """Give the scheduled requests' tokens [num_slotted, computed +
-        scheduled) their positional slots, the batch at once."""
+        scheduled) their positional slots, the batch at once: compiled
+        passes, and vLLM's block objects read only for blocks past each
+        request's tail (one request in B at decode)."""
         if not scheduled:
             return
-        B, pool = self.block_size, self.pool
+        pool = self.pool
         rids = list(scheduled)
         reqs, rows, blocks = self._scheduled.get(rids, self._scheduled_rows)
+        take = counts = np.fromiter(scheduled.values(), np.int64, len(rids))
+        resumed, fresh, need, first, end = pool.slot_spans(rows, take)
+        if resumed:  # re-slots dead tokens too: rare, the general path
+            return self._sync_slots_general(rids, reqs, rows, blocks, counts)
+        if fresh.size:  # new: their prefix-cache hits are computed, not slotted
+            hits = attrs([reqs[i] for i in fresh.tolist()], _COMPUTED)
+            if hits.any():
+                take = counts.copy()
+                take[fresh] += hits
+                _, _, need, first, end = pool.slot_spans(rows, take)
+        assert (
+            not integrity.CHECK
+            or (
+                pool.num_slotted_rows(rows) + take == attrs(reqs, _COMPUTED) + counts
+            ).all()
+        ), "a scheduled request's computed tokens are not its slotted ones"
+        ids = _NO_IDS
+        if need.size:
+            at = zip(need.tolist(), first.tolist(), end.tolist(), strict=True)
+            ids = np.array(
+                [x.block_id for i, f, e in at for x in blocks[i][f:e]], np.int64
+            )
+        slots = pool.positional_slots(rows, take, ids)
+        if integrity.CHECK:
+            self._check_tail_blocks(rows, take, blocks, slots)
+        self.runtime.sync_rows(rids, take, slots, rows)
+
+    def _check_tail_blocks(self, rows, take, blocks, slots) -> None:
+        # The tail block's id is the last slotted token's: vLLM's lists agree.
+        B, start = self.block_size, self.pool.num_slotted_rows(rows)
+        want = [
+            x.block_id * B + t % B
+            for b, s, n in zip(blocks, start.tolist(), take.tolist(), strict=True)
+            for t in range(s, s + n)
+            for x in (b[t // B],)
+        ]
+        assert slots.tolist() == want, "a tail block's id is not vLLM's"
+
+    def _sync_slots_general(self, rids, reqs, rows, blocks, scheduled) -> None:
+        """`_sync_slots` of a batch with a resumed request (preempted, so
+        recomputing known tokens, dead ones included)."""
+        B, pool = self.block_size, self.pool
         start, total = pool.num_slotted_rows(rows), pool.num_tokens_rows(rows)
         # Computed tokens are slotted ones, but where none are: a new or
         # resumed request, whose prefix-cache hits are computed and not slotted.
@@ -330,7 +374,7 @@ class VTokenScheduler:
         assert not integrity.CHECK or (upto == attrs(reqs, _COMPUTED)).all(), (
             "a scheduled request's computed tokens are not its slotted ones"
         )
-        upto += np.fromiter(scheduled.values(), np.int64, len(rids))
+        upto += scheduled
         for i in ((start < total) & (upto > start)).nonzero()[0]:  # resumed
             self._recompute_dead(rids[i], int(start[i]), int(upto[i]))
             if upto[i] <= total[i] and self._persistence:
@@ -349,21 +393,8 @@ class VTokenScheduler:
         first, last = start // B, (upto - 1) // B
         if not grow.all():
             blocks = list(compress(blocks, grow.tolist()))
-        if (first == last).all():  # decode: one block each
-            # Mostly the block of the last token slotted (the tail, which
-            # nothing frees or moves); vLLM's object only for a block's first.
-            ids = np.empty(len(rids), np.int64)
-            tail = (start % B != 0).nonzero()[0]
-            ids[tail] = pool.tokens_at(rows, tail, start[tail] - 1) // B
-            head = (start % B == 0).nonzero()[0]
-            at = zip(head.tolist(), first[head].tolist(), strict=True)
-            ids[head] = [blocks[i][f].block_id for i, f in at]
-            assert not integrity.CHECK or ids.tolist() == [
-                b[f].block_id for b, f in zip(blocks, first.tolist(), strict=True)
-            ], "the tail block's id is not the last slotted token's"
-        else:
-            spans = zip(blocks, first.tolist(), (last + 1).tolist(), strict=True)
-            ids = [x.block_id for b, f, e in spans for x in b[f:e]]
+        spans = zip(blocks, first.tolist(), (last + 1).tolist(), strict=True)
+        ids = [x.block_id for b, f, e in spans for x in b[f:e]]
         ids = np.asarray(ids, dtype=np.int64)
         assert ids.size == (last - first + 1).sum(), "a block list is too short"
         counts = upto - start
@@ -420,6 +451,7 @@ class VTokenScheduler:
 
 
 _COMPUTED = attrgetter("num_computed_tokens")
+_NO_IDS = np.zeros(0, np.int64)
 _PROMPT = attrgetter("num_prompt_tokens")
 _ALL_TOKENS = attrgetter("_all_token_ids")
 _REQ_ID = attrgetter("request_id")

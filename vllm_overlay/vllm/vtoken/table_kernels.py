@@ -278,3 +278,73 @@ def append_read(
                 status |= DEAD_QUERY
         kv_indptr[i + 1] = m
     return status, new, writes, kv_indptr, idx[:m], kv[:m]
+
+
+@numba.njit(
+    numba.types.Tuple((numba.boolean, _i64, _i64, _i64, _i64))(
+        _i64, _i64, _i64, _i64, numba.int64
+    ),
+    **_jit,
+)
+def slot_spans(rows, take, n_slotted, n_tokens, block_size):
+    """The scheduler's step, before slotting (VTokenScheduler._sync_slots):
+    row i slots tokens [n_slotted, n_slotted + take[i]). Returns (resumed,
+    fresh, need, first, end): `resumed` if a row re-slots known tokens (the
+    general path's case); `fresh` the rows with no token yet (their
+    prefix-cache hits are the caller's to add to `take`); and for the rows
+    `need` whose new tokens reach past their tail block (the block of their
+    last slotted token), the entries [first, end) of their block lists that
+    hold those tokens' blocks."""
+    R, B = rows.size, block_size
+    resumed = False
+    n_fresh = n_need = 0
+    for i in range(R):
+        r = rows[i]
+        resumed |= n_slotted[r] < n_tokens[r] and take[i] > 0
+        n_fresh += n_tokens[r] == 0
+        n_need += (n_slotted[r] + take[i] - 1) // B >= (n_slotted[r] + B - 1) // B
+    fresh, need = np.empty(n_fresh, np.int64), np.empty(n_need, np.int64)
+    first, end = np.empty(n_need, np.int64), np.empty(n_need, np.int64)
+    f = m = 0
+    for i in range(R):
+        r = rows[i]
+        if n_tokens[r] == 0:
+            fresh[f] = i
+            f += 1
+        lo, hi = (n_slotted[r] + B - 1) // B, (n_slotted[r] + take[i] - 1) // B
+        if hi >= lo:
+            need[m], first[m], end[m] = i, lo, hi + 1
+            m += 1
+    return resumed, fresh, need, first, end
+
+
+@numba.njit(_i64(_i64, _i64, _i64, _i64, _i64, _i32, numba.int64), **_jit)
+def positional_slots(rows, take, ids, start, n_slotted, slot, block_size):
+    """The slots of row i's tokens [n_slotted, n_slotted + take[i]), flat:
+    in its tail block (the block of its last slotted token, which nothing
+    frees or moves) while they fit, then in blocks `ids` (slot_spans' entries
+    of each row's block list, row by row)."""
+    B, total = block_size, 0
+    for i in range(rows.size):
+        total += take[i]
+    out = np.empty(total, np.int64)
+    k = h = 0
+    for i in range(rows.size):
+        r = rows[i]
+        s0 = n_slotted[r]
+        lo = (s0 + B - 1) // B  # the first block past the tail
+        tail = slot[start[r] + s0 - 1] // B if s0 % B else -1
+        for t in range(s0, s0 + take[i]):
+            b = t // B
+            if b < lo:
+                out[k] = tail * B + t % B
+            else:
+                if h + b - lo >= ids.size:
+                    raise ValueError("positional_slots: a block list is too short")
+                out[k] = ids[h + b - lo] * B + t % B
+            k += 1
+        if take[i] > 0 and (s0 + take[i] - 1) // B >= lo:
+            h += (s0 + take[i] - 1) // B - lo + 1
+    if h != ids.size:
+        raise ValueError("positional_slots: more block ids than blocks")
+    return out

@@ -180,6 +180,23 @@ class TokenTablePool:
             kv_indptr = indptr_of(num_keys)
         return writes, kv_indptr, idx, kv
 
+    def slot_spans(self, rows: np.ndarray, take: np.ndarray):
+        """Before `positional_slots`: (resumed, fresh, need, first, end) of
+        rows[i] slotting take[i] more tokens (int64 [R] each;
+        table_kernels.slot_spans)."""
+        c = self._a.cols
+        return self._k.slot_spans(
+            rows, take, c["n_slotted"], c["n_tokens"], self.block_size
+        )
+
+    def positional_slots(self, rows, take, ids) -> np.ndarray:
+        """int64: the positional slots of rows[i]'s next take[i] tokens, in
+        its tail block, then in blocks `ids` (table_kernels.positional_slots)."""
+        return self._k.positional_slots(
+            rows, take, ids, self._a.start, self._a.cols["n_slotted"],
+            self._a.data["slot"], self.block_size,
+        )  # fmt: skip
+
     def _check_append(self, rows, counts, slots) -> None:
         assert np.unique(rows).size == rows.size, "a row twice in one batch"
         s = slots[: int(counts.sum())]
