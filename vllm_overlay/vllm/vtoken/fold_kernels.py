@@ -18,11 +18,18 @@ _i64, _f32 = numba.int64[::1], numba.float32[::1]
 _jit = {"cache": True, "nogil": True}
 
 
-@numba.njit(numba.void(_i64, _i64, _i64, _f32, _i64, _f32, numba.int64), **_jit)
-def fold(rows, indptr, idx, gain, start, acc, window):
+@numba.njit(
+    numba.boolean(_i64, _i64, _i64, _f32, _i64, _i64, _f32, numba.int64), **_jit
+)
+def fold(rows, indptr, idx, gain, start, cap, acc, window):
     """Request i (row rows[i]) gains gain[j] on token idx[j], j in
     [indptr[i], indptr[i + 1]): added, or with `window` > 0 averaged in
-    (acc += (gain - acc) / window). Regions already reserved."""
+    (acc += (gain - acc) / window). Returns False, changing nothing, when a
+    token lies past its row's region (`cap`: arena.reserve first)."""
+    for i in range(rows.size):
+        for j in range(indptr[i], indptr[i + 1]):
+            if idx[j] >= cap[rows[i]]:
+                return False
     w = np.float32(window)
     for i in range(rows.size):
         base = start[rows[i]]
@@ -32,6 +39,7 @@ def fold(rows, indptr, idx, gain, start, acc, window):
                 acc[p] += (gain[j] - acc[p]) / w
             else:
                 acc[p] += gain[j]
+    return True
 
 
 @numba.njit(_f32(_i64, _i64, _i64, _i64, _i64, _f32), **_jit)

@@ -135,7 +135,7 @@ class ScoreAccumulator:
         """`fold(take_step(...))`, both halves in one process, of any int
         sequences (tests)."""
         i64 = [np.asarray(a, np.int64) for a in (key_indptr, key_idx, query_start_loc)]
-        self.fold(self.take_step(req_ids, *i64, norm))
+        self.fold(self.take_step(req_ids, *i64, float(norm)))
 
     def take_step(
         self,
@@ -154,10 +154,10 @@ class ScoreAccumulator:
             key_idx: int64 [K] the logical token of each key, distinct per
                 request.
             query_start_loc: int64 [R + 1] request r's query rows this step.
-            norm: num_layers * num_heads (> 0).
+            norm: num_layers * num_heads (> 0), a float.
         """
         assert norm > 0 and len(key_idx) == self._step.numel(), (norm, len(key_idx))
-        mass = self._step.cpu().numpy()
+        mass = self._step.cpu().numpy()  # the step's one device-to-host copy
         self._step = self._step[:0]
         if self.aggregate == "max":
             norm = 1.0  # one head of one layer, not their sum
@@ -191,13 +191,13 @@ class ScoreAccumulator:
         (rows,) = self._folded.get(  # first sight: a row
             ids, lambda ids: (acc.rows_adding(ids, lambda i: acc.add(ids[i])),)
         )
-        acc.reserve(rows, np.maximum.reduceat(idx, indptr[:-1]) + 1)
-        # Added, or with a window a moving average (not a count).
-        self._k.fold(
-            rows, np.asarray(indptr, np.int64), np.asarray(idx, np.int64),
-            np.asarray(gain, np.float32), acc.start, acc.data["acc"],
-            self.window or 0,
-        )  # fmt: skip
+        # Added, or with a window a moving average (not a count); a region
+        # grows (rarely: it doubles) before the fold that needs it.
+        step_args, w = (rows, indptr, idx, gain), self.window or 0
+        if not self._k.fold(*step_args, acc.start, acc.cap, acc.data["acc"], w):
+            acc.reserve(rows, np.maximum.reduceat(idx, indptr[:-1]) + 1)
+            done = self._k.fold(*step_args, acc.start, acc.cap, acc.data["acc"], w)
+            assert done, "fold: regions reserved, yet short"
 
     def scores(self, req_id: str, idx: np.ndarray) -> np.ndarray:
         """float32 [n]: `req_id`'s scores of logical tokens `idx` (0: unseen)."""
