@@ -627,3 +627,8 @@ def test_plan_fields_of_a_mixed_batch():
     assert plan.decode_write.tolist() == [True, False]
     assert plan.decode_counted.tolist() == [True, False]
     assert plan.other_rows == [2]
+    # Index arrays the kernel would read out of bounds with are refused.
+    with pytest.raises(ValueError, match="decreases"):
+        build_cpu_read_plan([0, 2, 1], [0, 0, 3], slots[:3], B, H)
+    with pytest.raises(ValueError, match="disagree"):
+        build_cpu_read_plan([], [], slots[:0], B, H, np.zeros(0, bool))

@@ -82,7 +82,7 @@ def step_gains(mass, indptr, q_loc, norm, persistence):
     divides it, or `persistence_gain`; `read` lists the requests with keys,
     `read_indptr` their keys' CSR."""
     n = indptr.size - 1
-    if q_loc.size != n + 1 or indptr[n] != mass.size:
+    if n < 0 or q_loc.size != n + 1 or indptr[n] != mass.size:
         raise ValueError("take_step: key_indptr, the masses and the queries disagree")
     if persistence:
         nq = np.empty(n, np.int64)

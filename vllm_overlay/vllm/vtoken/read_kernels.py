@@ -44,13 +44,17 @@ def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_hea
     [R]: whose output the read writes; `score_rows` [R] (or empty): rows that
     count for "window" scores. Blocks of 1 << shift slots (arena.block_shift)."""
     n = q_loc.size - 1
-    if kv_loc.size != n + 1 or kv_loc[n] != kv_slots.size or write.size != n:
+    if n < 0 or kv_loc.size != n + 1 or kv_loc[n] != kv_slots.size or write.size != n:
         raise ValueError("query_start_loc, kv_indptr and kv_slots disagree")
+    if kv_loc[0] != 0:
+        raise ValueError("kv_indptr does not start at 0")
     if score_rows.size not in (0, n):
         raise ValueError("score_rows is not one per request")
     num_dec = num_oth = width = oth_keys = flags = 0
     for r in range(n):
         nq, nk = q_loc[r + 1] - q_loc[r], kv_loc[r + 1] - kv_loc[r]
+        if nq < 0 or nk < 0:
+            raise ValueError("query_start_loc or kv_indptr decreases")
         if nk == 0 or nq == 0:  # no keys: vLLM's kernel; no queries: nothing
             continue
         if nk < nq:
@@ -65,8 +69,8 @@ def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_hea
             oth_keys += nk
     decode, others = np.empty(num_dec, np.int64), np.empty(num_oth, np.int64)
     d = o = 0
-    for r in range(n):
-        if kv_loc[r + 1] > kv_loc[r] and q_loc[r + 1] > q_loc[r]:
+    for r in range(n):  # as counted above
+        if kv_loc[r + 1] != kv_loc[r] and q_loc[r + 1] != q_loc[r]:
             if q_loc[r + 1] - q_loc[r] == 1:
                 decode[d] = r
                 d += 1

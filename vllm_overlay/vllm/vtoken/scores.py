@@ -158,12 +158,12 @@ class ScoreAccumulator:
         """
         assert norm > 0 and len(key_idx) == self._step.numel(), (norm, len(key_idx))
         mass = self._step.cpu().numpy()  # the step's one device-to-host copy
-        self._step = self._step[:0]
         if self.aggregate == "max":
             norm = 1.0  # one head of one layer, not their sum
         gain, read, indptr = self._k.step_gains(
             mass, key_indptr, query_start_loc, norm, self.mode == "persistence"
         )
+        self._step = self._step[:0]
         n = len(req_ids)
         return ScoreStep(
             req_ids=list(req_ids)

@@ -167,6 +167,8 @@ class TokenTablePool:
             hits = np.maximum(computed - start, 0)
             if status & k.HITS:
                 slots = hit_slots(start, hits)
+                if integrity.CHECK:
+                    self._check_append(rows, hits + counts, slots)
             self._a.reserve(rows, start + hits + counts)
             status, new, writes, kv_indptr, idx, kv = run(True, slots)
             assert not status & k.ROOM, "append_read: regions reserved, yet short"
