@@ -47,6 +47,22 @@ def live_tokens(rows, start, n_listed, n_slotted, listed, live, slot):
     return seg[:m], idx[:m], out[:m]
 
 
+@numba.njit(inline="always")
+def walk_row(r, computed, m, idx, out, start, n_listed, n_slotted, listed, live, slot):
+    """Row r's live slotted tokens, in logical order, written to idx (logical)
+    and out (slots) from entry m on. Returns (m past them, how many are at
+    or past `computed`: the step's queries). Shared by read_walk and
+    append_read."""
+    base, end, queries = start[r], n_slotted[r], 0
+    for j in range(base, base + n_listed[r]):
+        t = listed[j]
+        if t < end and live[base + t]:
+            idx[m], out[m] = t, slot[base + t]
+            queries += t >= computed
+            m += 1
+    return m, queries
+
+
 @numba.njit(
     numba.types.Tuple((_i64, _i64, _i64, numba.int64))(
         _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32
@@ -68,16 +84,39 @@ def read_walk(rows, computed, start, n_listed, n_slotted, listed, live, slot):
     )
     m = queries = 0
     for i in range(rows.size):
-        r = rows[i]
-        base, end, lo = start[r], n_slotted[r], m
-        for j in range(base, base + n_listed[r]):
-            t = listed[j]
-            if t < end and live[base + t]:
-                idx[m], out[m] = t, slot[base + t]
-                queries += t >= computed[i]
-                m += 1
+        lo = m
+        m, q = walk_row(rows[i], computed[i], m, idx, out, start, n_listed,
+                        n_slotted, listed, live, slot)  # fmt: skip
+        queries += q
         counts[i] = m - lo
     return counts, idx[:m], out[:m], queries
+
+
+@numba.njit(inline="always")
+def slot_row(
+    r, end, slots, start, n_tokens, n_slotted, n_live, n_listed, slot, live,
+    listed, block_live, block_size,
+):  # fmt: skip
+    """Row r's tokens [n_slotted, end) take `slots`: tokens never slotted
+    before are born live and listed last, re-slotted ones keep their bit;
+    every live token's block counts it. Returns the number born. Shared by
+    append_rows and append_read."""
+    base, first, known = start[r], n_slotted[r], n_tokens[r]
+    born = 0
+    for t in range(first, end):
+        s = slots[t - first]
+        slot[base + t] = s
+        if t >= known:  # the newest tokens: appended to the live list
+            live[base + t] = True
+            listed[base + n_listed[r] + born] = t
+            born += 1
+        if live[base + t]:
+            block_live[s // block_size] += 1
+    n_live[r] += born
+    n_listed[r] += born
+    n_tokens[r] = max(known, end)
+    n_slotted[r] = end
+    return born
 
 
 @numba.njit(numba.int64(*[_i64] * 8, _i32, _b1, _i32, _i32, numba.int64), **_jit)
@@ -92,23 +131,12 @@ def append_rows(
     k = total = 0
     for i in range(rows.size):
         r = rows[i]
-        base, first, known = start[r], n_slotted[r], n_tokens[r]
-        end, new = first + counts[i], 0
-        for t in range(first, end):
-            s = slots[k]
-            k += 1
-            slot[base + t] = s
-            if t >= known:  # the newest tokens: appended to the live list
-                live[base + t] = True
-                listed[base + n_listed[r] + new] = t
-                new += 1
-            if live[base + t]:
-                block_live[s // block_size] += 1
-        n_live[r] += new
-        n_listed[r] += new
-        total += new
-        n_tokens[r] = max(known, end)
-        n_slotted[r] = end
+        total += slot_row(
+            r, n_slotted[r] + counts[i], slots[k : k + counts[i]], start,
+            n_tokens, n_slotted, n_live, n_listed, slot, live, listed,
+            block_live, block_size,
+        )  # fmt: skip
+        k += counts[i]
     return total
 
 
@@ -237,23 +265,12 @@ def append_read(
     k = new = 0
     for i in range(R):  # append_rows, the hits first
         r = rows[i]
-        base, first, known = start[r], n_slotted[r], n_tokens[r]
-        end, born = first + max(computed[i] - first, 0) + counts[i], 0
-        for t in range(first, end):
-            s = slots[k]
-            k += 1
-            slot[base + t] = s
-            if t >= known:
-                live[base + t] = True
-                listed[base + n_listed[r] + born] = t
-                born += 1
-            if live[base + t]:
-                block_live[s // block_size] += 1
-        n_live[r] += born
-        n_listed[r] += born
-        new += born
-        n_tokens[r] = max(known, end)
-        n_slotted[r] = end
+        n = max(computed[i] - n_slotted[r], 0) + counts[i]
+        new += slot_row(
+            r, n_slotted[r] + n, slots[k : k + n], start, n_tokens, n_slotted,
+            n_live, n_listed, slot, live, listed, block_live, block_size,
+        )  # fmt: skip
+        k += n
     writes = np.empty(R, np.bool_)
     kv_indptr = np.zeros(R + 1, np.int64)
     n = 0
@@ -267,14 +284,9 @@ def append_read(
     for i in range(R):  # read_walk of the rows read
         r = rows[i]
         if writes[i] or scored[i]:
-            base, end, queries = start[r], n_slotted[r], 0
-            for j in range(base, base + n_listed[r]):
-                t = listed[j]
-                if t < end and live[base + t]:
-                    idx[m], kv[m] = t, slot[base + t]
-                    queries += t >= computed[i]
-                    m += 1
-            if queries != end - computed[i]:
+            m, queries = walk_row(r, computed[i], m, idx, kv, start, n_listed,
+                                  n_slotted, listed, live, slot)  # fmt: skip
+            if queries != n_slotted[r] - computed[i]:
                 status |= DEAD_QUERY
         kv_indptr[i + 1] = m
     return status, new, writes, kv_indptr, idx[:m], kv[:m]
