@@ -103,3 +103,32 @@ def test_null_at_frees_positional_blocks_and_keeps_the_index_true(monkeypatch):
     assert index.null_at("a", [3, 1], [4, 9], NULL) is None
     assert [b.block_id for b in lists["a"]] == [0, 3, 9, 4, 0]
     assert index.null_at("a", [9], [4], NULL) is None  # past the list
+
+
+def test_null_at_many_is_null_at_per_request_and_refuses_one_alone(monkeypatch):
+    """A step's freeing in one pass: each request's blocks as null_at would
+    free them, a shared block kept, and a request one of whose blocks is
+    elsewhere refused whole while the others are done."""
+    lists = {
+        "a": [block(7), block(3), block(9)],
+        "b": [block(11), block(12, ref_cnt=2), block(13)],
+        "c": [block(21), block(22)],
+    }
+    index = BlockIndex(lists, null_id=0)
+    index.get("a"), index.get("c")  # "b" never indexed
+    rids = ["a", "b", "c"]
+    # a: entries 0, 2; b: 1 (shared), 2; c: block 21 claimed at entry 1.
+    out, nulled, refused = index.null_at_many(
+        rids, [0, 0, 1, 1, 2], [0, 2, 1, 2, 1], [7, 9, 12, 13, 21], NULL
+    )
+    assert [b.block_id for b in out] == [7, 9, 13]
+    assert nulled == {0: 2, 1: 1} and refused == [2]
+    assert [[b.block_id for b in lists[r]] for r in rids] == [
+        [0, 3, 0], [11, 12, 0], [21, 22],
+    ]  # fmt: skip
+    monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
+    assert [index.get(r).ids.tolist() for r in rids] == [
+        [0, 3, 0],
+        [11, 12, 0],
+        [21, 22],
+    ]

@@ -119,26 +119,60 @@ class BlockIndex:
         entries[i] of the list (where its tokens were written, or where the
         planner found it): checked, then done without the index's catch-up.
         None, and nothing done, if one is elsewhere."""
-        blocks = self._lists[rid]
-        n = len(blocks)
-        at = zip(entries, ids, strict=True)
-        if not all(e < n and blocks[e].block_id == b for e, b in at):
-            return None
-        index, out = self._index.get(rid), []
-        if index is not None and index.blocks is not blocks:
-            index = None
-        for e in sorted(entries):  # in list order, as null_out
+        at = sorted(zip(entries, ids, strict=True))  # in list order, as null_out
+        out, _, refused = self.null_at_many(
+            [rid], [0] * len(at), [e for e, _ in at], [b for _, b in at], null,
+            unshared_only,
+        )  # fmt: skip
+        return None if refused else out
+
+    def null_at_many(
+        self,
+        rids: list[str],
+        seg: list[int],
+        entries: list[int],
+        ids: list[int],
+        null: KVCacheBlock,
+        unshared_only: bool = True,
+    ) -> tuple[list[KVCacheBlock], dict[int, int], list[int]]:
+        """`null_at` for many requests in one pass over their blocks (the
+        freeing of a step's emptied blocks): block ids[j] at entries[j] of
+        rids[seg[j]]'s list; `seg` grouped, entries ascending within a group.
+
+        Returns:
+            (out, nulled, refused): the blocks null-replaced, in that order;
+            how many group k null-replaced (groups with none left out); the
+            groups one of whose blocks is elsewhere, nothing done for them.
+        """
+        lists, refused, k0 = self._lists, set(), -1
+        for k, e, b in zip(seg, entries, ids, strict=True):
+            if k != k0:
+                k0, blocks = k, lists[rids[k]]
+                n = len(blocks)
+            if e >= n or blocks[e].block_id != b:
+                refused.add(k)
+        out, nulled, k0, index = [], {}, -1, None
+        for k, e in zip(seg, entries, strict=True):
+            if k in refused:
+                continue
+            if k != k0:
+                k0, rid = k, rids[k]
+                blocks, index = lists[rid], self._index.get(rid)
+                if index is not None and index.blocks is not blocks:
+                    index = None
             block = blocks[e]
-            if not unshared_only or block.ref_cnt == 1:
-                if index is not None and e < index.ids.size:  # seen: keep it so
-                    if index.at.pop(block.block_id, None) != e:  # changed unseen
-                        del self._index[rid]  # indexed afresh when next asked
-                        index = None
-                    else:
-                        index.ids[e] = null.block_id
-                blocks[e] = null
-                out.append(block)
-        return out
+            if unshared_only and block.ref_cnt != 1:
+                continue
+            if index is not None and e < index.ids.size:  # seen: keep it so
+                if index.at.pop(block.block_id, None) != e:  # changed unseen
+                    del self._index[rid]  # indexed afresh when next asked
+                    index = None
+                else:
+                    index.ids[e] = null.block_id
+            blocks[e] = null
+            out.append(block)
+            nulled[k] = nulled.get(k, 0) + 1
+        return out, nulled, sorted(refused)
 
     def _locate(self, rid: str, ids: list[int]) -> tuple[Positions, list[int]]:
         """(`rid`'s index, caught up; `find`'s entries)."""

@@ -146,18 +146,18 @@ class BlockReclaimer:
             if not idle.any():
                 return
             seg, blk, entry = seg[idle], blk[idle], entry[idle]
-        reqs, cut = np.unique(seg, return_index=True)  # seg is sorted
-        cut, freed, null = cut.tolist(), [], self.block_pool.null_block
-        blk, entry = blk.tolist(), entry.tolist()
-        for k, lo, hi in zip(reqs.tolist(), cut, cut[1:] + [len(blk)], strict=True):
-            rid, rec, ids = rids[k], recs[rids[k]], blk[lo:hi]
-            # Mostly where their tokens were written (null_at: no index).
-            out = self.blocks.null_at(rid, entry[lo:hi], ids, null)
-            if out is None:
-                out = self._null_out(rid, rec, ids, unshared_only=True)
-            else:
-                rec.nulls += len(out)
-            freed += out
+        # Mostly where their tokens were written (null_at_many: no index),
+        # in list order per request, as _null_out frees them.
+        order = np.lexsort((entry, seg))
+        seg, blk = seg[order].tolist(), blk[order].tolist()
+        freed, nulled, refused = self.blocks.null_at_many(
+            rids, seg, entry[order].tolist(), blk, self.block_pool.null_block
+        )
+        for k, n in nulled.items():
+            recs[rids[k]].nulls += n
+        for k in refused:  # elsewhere in the list: found through the index
+            ids = [b for j, b in zip(seg, blk, strict=True) if j == k]
+            freed += self._null_out(rids[k], recs[rids[k]], ids, unshared_only=True)
         self._free(freed)
 
     def release_blocks(

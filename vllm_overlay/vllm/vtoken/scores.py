@@ -89,7 +89,11 @@ class ScoreAccumulator:
         from vllm.vtoken import fold_kernels  # numba: only with vToken on
 
         self._k = fold_kernels
-        self._step = torch.zeros(0, dtype=torch.float32, device=self.device)
+        # The step buffer is a view of `_buf`, kept across steps: a fresh
+        # zeroed tensor a step is an allocation (on CPU, past ~128 KiB, page
+        # faults: a 1,024-request step's keys) on the step's path.
+        self._buf = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self._step = self._buf
 
     @classmethod
     def of_policy(cls, policy, device="cpu") -> ScoreAccumulator | None:
@@ -105,8 +109,13 @@ class ScoreAccumulator:
         )
 
     def begin_step(self, num_keys: int) -> None:
-        """A zeroed step buffer for the `num_keys` keys of the step's read."""
-        self._step = torch.zeros(num_keys, dtype=torch.float32, device=self.device)
+        """A zeroed step buffer for the `num_keys` keys of the step's read
+        (the kept buffer's first `num_keys` entries; it doubles when short)."""
+        if self._buf.numel() < num_keys:
+            size = max(num_keys, 2 * self._buf.numel())
+            self._buf = torch.empty(size, dtype=torch.float32, device=self.device)
+        self._step = self._buf[:num_keys]
+        self._step.zero_()
 
     def add(self, pos: torch.Tensor, attn_mass: torch.Tensor) -> None:
         """Adds one layer's attention mass to the step buffer.
