@@ -201,35 +201,43 @@ class BlockReclaimer:
         kept = np.flatnonzero(keep)
         if not kept.size:
             return
-        null, freed, rids = self.block_pool.null_block, [], moves.batch.req_ids
+        null, rids = self.block_pool.null_block, moves.batch.req_ids
         s, f, d = moves.src_indptr, moves.fresh_indptr, moves.dst_indptr
+        # Every source is freed; the displaced ones (each request's first nf)
+        # are not in the list, the others are null-replaced where the planner
+        # found them, in list order per request (as null_at does).
+        src = ranges(s[kept], s[kept + 1] - s[kept]).tolist()
+        freed = (
+            list(moves.src)
+            if len(src) == len(moves.src)
+            else [moves.src[i] for i in src]
+        )
+        first = s[kept] + f[kept + 1] - f[kept]
+        at = ranges(first, s[kept + 1] - first)
+        seg = np.repeat(kept, s[kept + 1] - first)
+        order = np.lexsort((moves.src_at[at], seg))
+        at, seg = at[order], seg[order]
+        _, nulled, refused = self.blocks.null_at_many(
+            rids, seg.tolist(), moves.src_at[at].tolist(), moves.src_ids[at].tolist(),
+            null, unshared_only=False,
+        )  # fmt: skip
+        for k, n in nulled.items():
+            recs[k].nulls += n
+        for k in refused:  # elsewhere in the list: found through the index
+            self._null_out(rids[k], recs[k], moves.src_ids[s[k] : s[k + 1]].tolist())
         # Destinations with no live token: rare, so looked for at once.
         empty = self.pool.block_live[moves.dst_ids] == 0
-        any_empty = bool(empty.any())
-        src_ids, src_at = moves.src_ids.tolist(), moves.src_at.tolist()
-        spans = zip(
-            kept.tolist(),
-            s[kept].tolist(),
-            s[kept + 1].tolist(),
-            (f[kept + 1] - f[kept]).tolist(),
-            strict=True,
-        )
-        for k, lo, hi, nf in spans:
-            rid, rec = rids[k], recs[k]
-            # Null-replaced where the planner found them, but the displaced
-            # ones (first: not in the list); all freed.
-            out = self.blocks.null_at(
-                rid, src_at[lo + nf : hi], src_ids[lo + nf : hi], null, False
-            )
-            if out is None:
-                self._null_out(rid, rec, src_ids[lo:hi])
-            else:
-                rec.nulls += len(out)
-            freed += moves.src[lo:hi]
-            if any_empty and empty[d[k] : d[k + 1]].any():
+        if empty.any():
+            owner = np.repeat(np.arange(len(rids)), np.diff(d))
+            hit = np.zeros(len(rids), bool)
+            hit[owner[empty]] = True
+            for k in kept[hit[kept]].tolist():
                 dead = moves.dst_ids[d[k] : d[k + 1]][empty[d[k] : d[k + 1]]]
-                freed += self._null_out(rid, rec, dead.tolist(), unshared_only=True)
-            rec.move_batch = None
+                freed += self._null_out(
+                    rids[k], recs[k], dead.tolist(), unshared_only=True
+                )
+        for k in kept.tolist():
+            recs[k].move_batch = None
         # The fresh blocks that replaced displaced sources came from the pool.
         self.counters.reclaimed_blocks -= int((f[kept + 1] - f[kept]).sum())
         self._free(freed)
