@@ -359,7 +359,50 @@ def scale_section(d: dict, img: str) -> list[str]:
                 else ""
             )
         )
-    return out + ["", f"![scale]({img}/scale.png)", ""]
+    return out + hooks_table(d) + ["", f"![scale]({img}/scale.png)", ""]
+
+
+# The hooks of a step, in the order they run (engine_driver.HOOKS).
+HOOK_NAMES = {
+    "VTokenScheduler.begin_step": "scheduler begin_step",
+    "VTokenScheduler.end_step": "scheduler end_step",
+    "VTokenWorker.begin_step": "worker begin_step",
+    "VTokenWorker.prepare_attention": "prepare_attention",
+    "VTokenWorker.end_step": "worker end_step",
+    "VTokenScheduler.on_output": "on_output",
+}
+
+
+def hooks_table(d: dict) -> list[str]:
+    """Where the host time goes: each hook's median ms a step (the runs'
+    "time_hooks"), and the --baseline overlay's after a slash."""
+    rows = {k: r for k, r in d["rows"].items() if r.get("hooks_ms")}
+    if not rows:
+        return []
+    before = any(r.get("before_hooks_ms") for r in rows.values())
+    out = [
+        "",
+        "Where the host time goes: each hook's own wall time, median ms a step "
+        "over the same steps and runs"
+        + (" (now / the baseline overlay's)" if before else "")
+        + ". The scheduler's begin_step evicts and frees, its end_step slots the "
+        "step's tokens and plans compaction; the worker's begin_step re-slots and "
+        "copies moved K/V, prepare_attention slots and builds the read plan, "
+        "end_step takes the scores; on_output folds them and acknowledges moves.",
+        "",
+        "| running | policy | " + " | ".join(HOOK_NAMES.values()) + " |",
+        "|---:|---|" + "---:|" * len(HOOK_NAMES),
+    ]
+    for key, r in rows.items():
+        n, policy = key.split("/")
+        then = r.get("before_hooks_ms") or {}
+        cells = [
+            f"{r['hooks_ms'].get(h, 0):.2f}"
+            + (f" / {then[h]:.2f}" if h in then else "")
+            for h in HOOK_NAMES
+        ]
+        out.append(f"| {int(n):,} | {policy} | " + " | ".join(cells) + " |")
+    return out
 
 
 def history_section(d: dict, img: str) -> list[str]:

@@ -566,11 +566,26 @@ def scale_run(run: dict, n: int, hooked: bool = True) -> dict:
     """One scale run's medians over its steady steps (`steady`): the step's
     wall time, and vToken's host time in it (`hooked`; 0 for native)."""
     host = per_step(run, n, "vtoken_ns") if hooked else [0]
+    pairs = list(itertools.pairwise(steady(run, n))) if hooked else []
     return {
         "step_ms": statistics.median(s["step_ms"] for s in steady(run, n)),
         "host_ms": 1e-6 * statistics.median(host),
+        # Where it goes: each hook's own (the spec's "time_hooks").
+        "hooks_ms": {
+            hook: 1e-6
+            * statistics.median(
+                b["hook_ns"][hook] - a["hook_ns"][hook] for a, b in pairs
+            )
+            for hook in (pairs[0][0].get("hook_ns", {}) if pairs else {})
+        },
         "counters": run["counters"],
     }
+
+
+def _hooks_median(runs: list[dict]) -> dict:
+    """Each hook's median over runs that timed their hooks (else none)."""
+    hooks = runs[0].get("hooks_ms", {})
+    return {h: statistics.median(r["hooks_ms"][h] for r in runs) for h in hooks}
 
 
 def scale_row(
@@ -594,6 +609,7 @@ def scale_row(
         "host_ms": statistics.median(r["host_ms"] for r in mine),
         "host_ms_runs": [r["host_ms"] for r in mine],
         "hook_calls": statistics.median(calls),
+        "hooks_ms": _hooks_median(mine),
         "planner_ms": 1e-6
         * sum(c["planner_ns"] for c in plans)
         / max(1, sum(c["plan_calls"] for c in plans)),
@@ -605,6 +621,7 @@ def scale_row(
         row["before_host_ms"] = statistics.median(r["host_ms"] for r in before)
         row["before_host_ms_runs"] = [r["host_ms"] for r in before]
         row["before_hook_calls"] = statistics.median(before_calls)
+        row["before_hooks_ms"] = _hooks_median(before)
     return row
 
 
@@ -615,7 +632,9 @@ def cmd_scale(args) -> dict:
     over the steps where every request runs, the first two (prefill) left out;
     then over --repeats runs, native and each policy per version (--baseline
     too) taking turns. The calls in the hooks are counted once per version, in
-    a shorter run of their own (counting slows the hooks down)."""
+    a shorter run of their own (counting slows the hooks down); each hook's
+    own time (`hooks_ms`, the runs' "time_hooks") says where the host time
+    goes."""
     out = {}
     for n in args.batches:
         tokens = n * (args.prompt_len + args.gen_len)
@@ -630,6 +649,7 @@ def cmd_scale(args) -> dict:
         src = {"n": n, "min_tokens": 0, "max_tokens": args.prompt_len}
         spec = {"random": src, "max_tokens": args.gen_len, "light": True}
         short = {**spec, "max_tokens": 16, "count_hook_calls": True}
+        spec["time_hooks"] = True  # the timed runs: each hook's share too
         runs: dict[tuple[str, str], list] = {}
         for _, policy, (ver, env) in itertools.product(
             range(args.repeats), ["none", *args.policies], versions(args).items()

@@ -25,6 +25,8 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
               of NumPy calls as the scheduler's begin_step starts (after the
               last forward and vLLM's output processing) and again at once
               (warm): what a call costs there
+  time_hooks  time each of vToken's step hooks (steps record "hook_ns", each
+              hook's running total): where the host time goes
   light       record no per-request block state per step (large batches)
   force       per request, token ids to emit (teacher forcing, ForceTokens); the
               run then records "logprobs": the model's own for each forced token
@@ -253,6 +255,36 @@ def probe() -> int:
     return time.perf_counter_ns() - t
 
 
+# Nanoseconds inside each of vToken's step hooks ("Class.method"), summed over
+# steps: the spec's "time_hooks".
+HOOK_NS: dict[str, int] = {}
+
+
+def time_hooks() -> None:
+    """Wraps each of vToken's step hooks (HOOKS) in a timer (HOOK_NS)."""
+    import functools
+    import importlib
+
+    import vllm.config  # noqa: F401 (first: the overlay's modules import it)
+
+    for where, names in HOOKS.items():
+        module, cls = where.split(":")
+        cls = getattr(importlib.import_module(module), cls)
+        for name in names:
+            key = f"{cls.__name__}.{name}"
+            HOOK_NS[key] = 0
+
+            @functools.wraps(fn := getattr(cls, name))
+            def timing(*args, _fn=fn, _key=key, **kwargs):
+                t = time.perf_counter_ns()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    HOOK_NS[_key] += time.perf_counter_ns() - t
+
+            setattr(cls, name, timing)
+
+
 def count_hook_calls() -> None:
     """Wraps vToken's step hooks so that the calls they make are counted, and
     the scheduler's begin_step so that `probe` runs cold and warm before it."""
@@ -391,6 +423,8 @@ class Driver:
                 state["hook_calls"] = HOOK_CALLS["call"] + HOOK_CALLS["c_call"]
                 state["probe_cold_ns"] = PROBE_NS["cold"]
                 state["probe_warm_ns"] = PROBE_NS["warm"]
+                if HOOK_NS:
+                    state["hook_ns"] = dict(HOOK_NS)
             light = wave.get("light")  # no per-request state: scale runs
             steps.append(state if light else block_state(sched, histogram) | state)
             if len(steps) > 20000:
@@ -464,6 +498,8 @@ def main() -> None:
     processors = {"logits_processors": [force_tokens()]} if "force" in spec else {}
     if spec.get("count_hook_calls"):
         count_hook_calls()
+    if spec.get("time_hooks"):
+        time_hooks()
     driver = Driver({**spec.get("engine", {}), **processors})
     if "search" in spec:
         result = driver.search(**spec["search"])

@@ -90,3 +90,41 @@ def test_the_report_shows_the_probe_only_for_runs_that_timed_it():
     new = "\n".join(report.scale_section(d, "img"))
     assert "probe µs, cold / warm" in new
     assert "| 64 | h2o | 12.0 | 8.0 | 1.50 | 2.00 | 95 | 1.00 | 57 / 4.2 |" in new
+
+
+def test_each_hooks_time_is_its_median_growth_over_the_steady_steps():
+    # Two hooks' running totals over the run above's steps: per steady step
+    # A grows by 3, 1 ms (median 2), B by 1, 1 (median 1); host = A + B.
+    run = driver_run(
+        [50, 40, 30, 7, 9, 8, 1],
+        [0, 1e6, 2e6, 4e6, 8e6, 10e6, 10e6],
+        [1, 3, 3, 3, 3, 3, 2],
+    )
+    a, b = [0, 1, 2, 3, 6, 7, 7], [0, 0, 0, 0, 1, 2, 2]
+    for step, x, y in zip(run["steps"], a, b, strict=True):
+        step["hook_ns"] = {"A.begin_step": x * 1e6, "B.end_step": y * 1e6}
+    got = bench.scale_run(run, 3)
+    assert got["hooks_ms"] == {"A.begin_step": 2.0, "B.end_step": 1.0}
+    assert bench.scale_run(run, 3, hooked=False)["hooks_ms"] == {}
+    runs = [got, {**got, "hooks_ms": {"A.begin_step": 4.0, "B.end_step": 3.0}}]
+    assert bench._hooks_median(runs) == {"A.begin_step": 3.0, "B.end_step": 2.0}
+
+
+def test_the_report_breaks_the_host_time_down_by_hook_when_timed():
+    spec = importlib.util.spec_from_file_location(
+        "bench_report", REPO / "scripts/bench_report.py"
+    )
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    row = {"step_ms": 12.0, "step_ratio": 1.5, "host_ms": 2.0, "hook_calls": 95}
+    row |= {"planner_ms": 1.0}
+    d = {"command": "bench scale", "date": "today", "prompt_len": 64}
+    d |= {"gen_len": 64, "budget": 32, "repeats": 2}
+    d["rows"] = {"64/none": {"step_ms": 8.0}, "64/h2o": row}
+    assert "Where the host time goes" not in "\n".join(report.scale_section(d, "i"))
+    hooks = dict.fromkeys(report.HOOK_NAMES, 0.25) | {"VTokenWorker.end_step": 0.5}
+    row |= {"hooks_ms": hooks, "before_hooks_ms": dict.fromkeys(hooks, 1.0)}
+    new = "\n".join(report.scale_section(d, "i"))
+    assert "(now / the baseline overlay's)" in new
+    cells = ["0.25 / 1.00"] * 4 + ["0.50 / 1.00", "0.25 / 1.00"]
+    assert "| 64 | h2o | " + " | ".join(cells) + " |" in new

@@ -526,6 +526,29 @@ def test_append_read_refuses_too_few_slots_and_changes_nothing():
     assert_same(snapshot(pool, "a"), before)
 
 
+def test_append_rows_kernel_refuses_a_short_region_and_changes_nothing():
+    """The kernel checks the regions itself (the pool reserves only when it
+    says so, a region doubling): a row past its region's end changes no
+    row, not even one before it in the batch."""
+    pool = make_pool(a=[12, 13], b=[20])
+    rows = pool.rows(["a", "b"])
+    before = snapshot(pool, "a"), snapshot(pool, "b")
+    short = int(pool._a.cap[rows[1]] - pool._a.cols["n_slotted"][rows[1]]) + 1
+    born = pool._k.append_rows(
+        rows, np.array([1, short]), np.arange(40, 41 + short), pool._a.start,
+        pool._a.cap,
+        *[pool._a.cols[c] for c in ("n_tokens", "n_slotted", "n_live", "n_listed")],
+        pool._slot, pool._a.data["live"], pool._listed, pool.block_live, B,
+    )  # fmt: skip
+    assert born == -1
+    assert_same(snapshot(pool, "a"), before[0])
+    assert_same(snapshot(pool, "b"), before[1])
+    pool.append_rows(rows, np.array([1, short]), np.arange(40, 41 + short))
+    assert pool.slots("b").tolist() == [20, *range(41, 41 + short)]
+    assert pool.slots("a").tolist() == [12, 13, 40]
+    pool.check_integrity()
+
+
 def test_positional_slots_take_the_tail_block_then_the_lists():
     """The scheduler's slotting (slot_spans, positional_slots): a row mid-
     block continues in its tail block, one at a block's end starts the next

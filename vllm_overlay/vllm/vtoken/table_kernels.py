@@ -119,15 +119,19 @@ def slot_row(
     return born
 
 
-@numba.njit(numba.int64(*[_i64] * 8, _i32, _b1, _i32, _i32, numba.int64), **_jit)
+@numba.njit(numba.int64(*[_i64] * 9, _i32, _b1, _i32, _i32, numba.int64), **_jit)
 def append_rows(
-    rows, counts, slots, start, n_tokens, n_slotted, n_live, n_listed,
+    rows, counts, slots, start, cap, n_tokens, n_slotted, n_live, n_listed,
     slot, live, listed, block_live, block_size,
 ):  # fmt: skip
-    """Row i takes the next counts[i] of `slots` (TokenTablePool.append_rows;
-    regions already reserved). Tokens never slotted before are born live and
-    listed last; re-slotted ones keep their bit. Every live token's block
-    counts it. Returns the number of new tokens."""
+    """Row i takes the next counts[i] of `slots` (TokenTablePool.append_rows).
+    Tokens never slotted before are born live and listed last; re-slotted
+    ones keep their bit. Every live token's block counts it. Returns the
+    number of new tokens, or -1, nothing changed, if a row's region is too
+    small (arena.reserve, then again: rarely, a region doubles)."""
+    for i in range(rows.size):
+        if n_slotted[rows[i]] + counts[i] > cap[rows[i]]:
+            return -1
     k = total = 0
     for i in range(rows.size):
         r = rows[i]

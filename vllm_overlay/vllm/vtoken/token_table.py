@@ -127,13 +127,21 @@ class TokenTablePool:
         assert counts.sum() == s.size, "counts do not add up to the slots"
         if integrity.CHECK:
             self._check_append(rows, counts, s)
-        self._a.reserve(rows, self._n_slotted[rows] + counts)
         a, c = self._a.data, self._a.cols
-        self._total_live += self._k.append_rows(
-            rows, counts, s, self._a.start, c["n_tokens"], c["n_slotted"],
-            c["n_live"], c["n_listed"], a["slot"], a["live"], a["listed"],
-            self.block_live, self.block_size,
-        )  # fmt: skip
+
+        def run():
+            return self._k.append_rows(
+                rows, counts, s, self._a.start, self._a.cap, c["n_tokens"],
+                c["n_slotted"], c["n_live"], c["n_listed"], a["slot"], a["live"],
+                a["listed"], self.block_live, self.block_size,
+            )  # fmt: skip
+
+        born = run()
+        if born < 0:  # a region must grow first (the kernel changed nothing)
+            self._a.reserve(rows, self._n_slotted[rows] + counts)
+            born = run()
+            assert born >= 0, "append_rows: regions reserved, yet short"
+        self._total_live += born
 
     def append_read(self, rows, computed, counts, slots, scored, hit_slots=None):
         """The worker's step in one compiled pass (table_kernels.append_read):
