@@ -388,7 +388,8 @@ class BlockReclaimer:
         if len(plan.req_index) == 0:
             return None
         entry_of = dict(zip(ids[keep].tolist(), pos.tolist(), strict=True))
-        return self._bind(plan, [recs[k] for k in chosen], rids, entry_of)
+        cached_ids = ids[keep][is_cached]
+        return self._bind(plan, [recs[k] for k in chosen], rids, entry_of, cached_ids)
 
     def _bind(
         self,
@@ -396,9 +397,12 @@ class BlockReclaimer:
         recs: list[RequestState],
         rids: list[str],
         entry_of: dict[int, int],
+        cached_ids: np.ndarray | None = None,
     ) -> MoveBatch | None:
         """Turn a block plan into slot moves; free blocks that need none.
-        `entry_of`: each planned block's entry in its request's list."""
+        `entry_of`: each planned block's entry in its request's list;
+        `cached_ids`: the planned blocks the prefix cache holds (None: not
+        known, every destination is taken out of the cache)."""
         B = self.block_size
         batch_id = self._next_batch_id
         fresh = self.block_pool.get_new_blocks(int(plan.num_fresh.sum()))
@@ -419,7 +423,21 @@ class BlockReclaimer:
         dst_ids, dst_at = blk[first], np.searchsorted(first, m.indptr)
         # A destination's content changes: it must leave the prefix cache
         # (sources keep theirs intact, so a later hit on them stays valid).
-        self.block_pool.evict_blocks(set(dst_ids.tolist()))
+        # Only the cached ones: the plan read each planned block's hash, a
+        # fresh block left the cache when allocated, and evict_blocks costs
+        # vLLM's Python per block (~1/3 of a 64-request plan otherwise).
+        if cached_ids is not None:
+            if integrity.CHECK:
+                by_id = self.block_pool.blocks
+                assert all(
+                    by_id[b].block_hash is None
+                    for b in set(dst_ids.tolist()) - set(cached_ids.tolist())
+                ), "a destination the plan found uncached has a hash"
+            dst_ids_cached = dst_ids[np.isin(dst_ids, cached_ids)]
+        else:
+            dst_ids_cached = dst_ids
+        if dst_ids_cached.size:
+            self.block_pool.evict_blocks(set(dst_ids_cached.tolist()))
         by_id = self.block_pool.blocks
         src_ids = plan.src_block_ids.astype(np.int64)
         src = [by_id[b] for b in src_ids.tolist()]
