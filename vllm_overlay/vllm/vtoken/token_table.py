@@ -27,6 +27,7 @@ on one row.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,6 +41,16 @@ from vllm.vtoken.arena import (
     indptr_of,
     segments,
 )
+
+
+@functools.cache
+def _eviction_kernels():
+    # The scheduler's one-pass eviction (numba), loaded on first use (the
+    # worker's tables never evict by rule), once: an import statement in the
+    # step's path costs ~15 µs on the caches the forward left.
+    from vllm.vtoken import eviction_kernels
+
+    return eviction_kernels
 
 
 class TokenTablePool:
@@ -283,8 +294,7 @@ class TokenTablePool:
         seeds; `scores`: (rows, start, cap, acc) of the running scores'
         arena (ScoreAccumulator.arena_of), for a "score" key. Returns
         (counts, idx), idx row by row, ascending."""
-        from vllm.vtoken.eviction_kernels import KEYS, evict_lowest
-
+        ek = _eviction_kernels()
         none = np.zeros(0, np.int64)
         s_rows, s_start, s_cap, acc = scores or (*[none] * 3, np.zeros(0, np.float32))
         a_rows, a_start, born, a_step = rule.ages or (none,) * 4
@@ -292,10 +302,10 @@ class TokenTablePool:
         assert not score_key or scores is not None, "a score key needs scores"
         assert rule.key != "persistence" or rule.ages is not None, "and ages"
         a, c = self._a.data, self._a.cols
-        counts, idx = evict_lowest(
+        counts, idx = ek.evict_lowest(
             np.asarray(rows, np.int64), np.asarray(want, np.int64),
             np.asarray(attended, np.int64), np.asarray(seeds, np.uint64),
-            KEYS[rule.key], int(rule.recent), int(rule.sinks),
+            ek.KEYS[rule.key], int(rule.recent), int(rule.sinks),
             self._a.start, c["n_slotted"], c["n_live"], c["n_listed"],
             a["listed"], a["live"], a["slot"], self.block_live,
             self.block_size, s_rows, s_start, s_cap, acc,
