@@ -30,8 +30,9 @@ class RecordingScores:
         self.aggregate = aggregate
         self.query_window = query_window
 
-    def add(self, pos, mass):
-        self.calls.append((pos.clone(), mass.clone()))
+    def add(self, pos, mass):  # pos None: every key, in read order
+        pos = torch.arange(mass.numel()) if pos is None else pos.clone()
+        self.calls.append((pos, mass.clone()))
 
 
 def make_batch(
@@ -632,3 +633,47 @@ def test_plan_fields_of_a_mixed_batch():
         build_cpu_read_plan([0, 2, 1], [0, 0, 3], slots[:3], B, H)
     with pytest.raises(ValueError, match="disagree"):
         build_cpu_read_plan([], [], slots[:0], B, H, np.zeros(0, bool))
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "max"])
+def test_a_decode_layer_adds_its_masses_in_order_with_no_per_layer_index_work(
+    aggregate,
+):
+    """A read of decodes only: the masses of every key, in read order, go to
+    the step buffer as they are (no scatter), the valid entries are gathered
+    by positions the plan made once (no nonzero a layer), and the mask and
+    head index are the plan's: the same buffer, to the bit, as the scatter
+    of the general path, in fewer ops a layer."""
+    import dataclasses
+
+    from vllm.vtoken.scores import ScoreAccumulator
+
+    b = make_batch(4, **SHAPES["decode"])
+    plan = build_cpu_read_plan(
+        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
+    )
+    assert plan.scores_in_order and plan.num_decode == 3
+    general = dataclasses.replace(plan, scores_in_order=False, pad=None, valid_at=None)
+    cpu_token_attention(  # once first: the head index is made once a process
+        b["query"], b["key_cache"], b["value_cache"], torch.empty_like(b["query"]),
+        plan, b["scale"],
+    )  # fmt: skip
+    bufs, ops_of = [], []
+    for p in (plan, general):
+        acc = ScoreAccumulator("sum", aggregate=aggregate)
+        acc.begin_step(b["kv_slots"].numel())
+        out = torch.full_like(b["query"], float("nan"))
+        with torch.profiler.profile() as prof:
+            for _ in range(2):  # two layers
+                cpu_token_attention(
+                    b["query"], b["key_cache"], b["value_cache"], out, p,
+                    b["scale"], acc,
+                )  # fmt: skip
+        torch.testing.assert_close(out, reference(b), atol=1e-5, rtol=1e-5)
+        bufs.append(acc._step.clone())
+        ops_of.append({e.name for e in prof.events() if e.cpu_parent is None})
+    torch.testing.assert_close(bufs[0], bufs[1], atol=0, rtol=0)
+    per_layer = {"aten::nonzero", "aten::index_add_", "aten::scatter_reduce_"}
+    per_layer |= {"aten::arange", "aten::bitwise_not", "aten::cat"}
+    assert not ops_of[0] & per_layer, ops_of[0] & per_layer
+    assert ops_of[1] & per_layer  # the general path makes them

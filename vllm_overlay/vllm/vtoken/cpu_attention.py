@@ -96,6 +96,13 @@ class CpuReadPlan:
     # and each other request's counted last rows (None: scores' window).
     decode_counted: torch.Tensor | None = None  # [R] bool
     other_rows: list[int] | None = None
+    # Derived once a step, not once a layer: `valid`'s complement shaped for
+    # the logits [R, 1, 1, W], the flat positions of the valid entries of
+    # [R, W] (the masses' gather), and whether `score_pos` is every key in
+    # order (a read of decodes only: the masses add to the step buffer as is).
+    pad: torch.Tensor | None = None
+    valid_at: torch.Tensor | None = None
+    scores_in_order: bool = False
 
 
 def build_cpu_read_plan(
@@ -175,6 +182,7 @@ def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
     else:  # decodes only
         other_q, other_write, others, other_loc = [], [], [], [0]
         other_rows = None if score_rows is None else []
+    r, w = valid.shape
     return CpuReadPlan(
         num_decode=decode.size,
         q_rows=torch.from_numpy(q_loc[decode]),
@@ -195,6 +203,9 @@ def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
         if flags & read_kernels.UNCOUNTED
         else None,
         other_rows=other_rows,
+        pad=torch.from_numpy(~valid).view(r, 1, 1, w),
+        valid_at=torch.from_numpy(valid.reshape(-1).nonzero()[0]),
+        scores_in_order=not others and score_pos.size == slots.size,
     )
 
 
@@ -242,7 +253,11 @@ def cpu_token_attention(
         mass = _decode_batched(query, key_cache, value_cache, out, plan, scale, top)
         if plan.decode_counted is not None:  # a one-row chunk of a prefill
             mass.masked_fill_(~plan.decode_counted[:, None], 0.0)
-        masses.append(mass[plan.valid])
+        valid_at = plan.valid_at
+        if valid_at is None:  # a plan built elsewhere
+            masses.append(mass[plan.valid])
+        else:
+            masses.append(mass.view(-1).index_select(0, valid_at))
     if plan.others:
         key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
         gqa = num_q_heads != key.shape[1]
@@ -274,7 +289,8 @@ def cpu_token_attention(
                 per_head = tiled_attention(q[:, -w:], k, None, scale)
             masses.append(per_head.amax(dim=0) if top else per_head.sum(dim=0))
     if scores is not None and masses:
-        scores.add(plan.score_pos, torch.cat(masses))
+        mass = masses[0] if len(masses) == 1 else torch.cat(masses)
+        scores.add(None if plan.scores_in_order else plan.score_pos, mass)
 
 
 def _decode_batched(
@@ -294,7 +310,7 @@ def _decode_batched(
     # summed over query heads, or the largest one head gave (`top`).
     num_blocks, heads, block, head_dim = key_cache.shape
     num_reqs, num_q_heads = plan.num_decode, query.shape[1]
-    h = torch.arange(heads)[None, :, None]
+    h = _head_index(heads)
     blk, off = plan.blk[:, None, :], plan.off[:, None, :]
     k = key_cache.view(num_blocks, heads, head_dim, block)[blk, h, :, off]
     v = value_cache.view(-1, head_dim).index_select(0, plan.v_rows)
@@ -302,7 +318,8 @@ def _decode_batched(
     # GQA: query head h * G + g reads KV head h (h // G, as SDPA's enable_gqa).
     q = query[plan.q_rows].float().view(num_reqs, heads, -1, head_dim)
     logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [R, H, G, W]
-    logits.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
+    pad = ~plan.valid[:, None, None, :] if plan.pad is None else plan.pad
+    logits.masked_fill_(pad, float("-inf"))
     probs = logits.softmax(dim=-1)
     rows, w = plan.q_rows, plan.decode_write
     if w is not None:  # rows read for their scores only get no output
@@ -312,3 +329,10 @@ def _decode_batched(
     o = torch.matmul(probs_w, v.float())  # [R', H, G, D]
     out[rows] = o.reshape(len(rows), num_q_heads, head_dim).to(out.dtype)
     return probs.amax(dim=(1, 2)) if top else probs.sum(dim=(1, 2))
+
+
+@functools.cache
+def _head_index(heads: int) -> torch.Tensor:
+    # [1, H, 1]: the KV heads' index for the decode gather, made once (never
+    # written: a shared constant).
+    return torch.arange(heads)[None, :, None]

@@ -117,18 +117,25 @@ class ScoreAccumulator:
         self._step = self._buf[:num_keys]
         self._step.zero_()
 
-    def add(self, pos: torch.Tensor, attn_mass: torch.Tensor) -> None:
+    def add(self, pos: torch.Tensor | None, attn_mass: torch.Tensor) -> None:
         """Adds one layer's attention mass to the step buffer.
 
         Args:
             pos: int [n] positions of the keys in the step's read order
-                (`TokenRead.kv_slots`).
+                (`TokenRead.kv_slots`); None: every key, in that order.
             attn_mass: float [n] probability mass each key received this layer,
                 summed over query rows, and over heads ("mean") or the most
                 one head gave ("max").
         """
-        idx = torch.as_tensor(pos, device=self.device).to(torch.int64)
         mass = attn_mass.to(self.device, torch.float32)
+        if pos is None:  # in order: no scatter (max: the buffer starts at 0)
+            assert mass.numel() == self._step.numel(), "a mass for every key"
+            if self.aggregate == "max":
+                torch.maximum(self._step, mass, out=self._step)
+            else:
+                self._step.add_(mass)
+            return
+        idx = torch.as_tensor(pos, device=self.device).to(torch.int64)
         if self.aggregate == "max":
             self._step.scatter_reduce_(0, idx, mass, "amax")
         else:
