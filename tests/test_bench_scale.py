@@ -73,7 +73,8 @@ def test_a_row_is_the_median_of_its_runs():
             bench.scale_row(odd, 8.0, [1])
 
 
-def test_the_report_shows_the_probe_only_for_runs_that_timed_it():
+def report_of_one_row():
+    """bench_report, and a scale result of one H2O row at 64 requests."""
     spec = importlib.util.spec_from_file_location(
         "bench_report", REPO / "scripts/bench_report.py"
     )
@@ -84,6 +85,11 @@ def test_the_report_shows_the_probe_only_for_runs_that_timed_it():
     d = {"command": "bench scale", "date": "today", "prompt_len": 64}
     d |= {"gen_len": 64, "budget": 32, "repeats": 2}
     d["rows"] = {"64/none": {"step_ms": 8.0}, "64/h2o": row}
+    return report, d, row
+
+
+def test_the_report_shows_the_probe_only_for_runs_that_timed_it():
+    report, d, row = report_of_one_row()
     old = "\n".join(report.scale_section(d, "img"))
     assert "probe" not in old.lower()
     row |= {"probe_cold_us": 57.4, "probe_warm_us": 4.24}
@@ -111,16 +117,7 @@ def test_each_hooks_time_is_its_median_growth_over_the_steady_steps():
 
 
 def test_the_report_breaks_the_host_time_down_by_hook_when_timed():
-    spec = importlib.util.spec_from_file_location(
-        "bench_report", REPO / "scripts/bench_report.py"
-    )
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
-    row = {"step_ms": 12.0, "step_ratio": 1.5, "host_ms": 2.0, "hook_calls": 95}
-    row |= {"planner_ms": 1.0}
-    d = {"command": "bench scale", "date": "today", "prompt_len": 64}
-    d |= {"gen_len": 64, "budget": 32, "repeats": 2}
-    d["rows"] = {"64/none": {"step_ms": 8.0}, "64/h2o": row}
+    report, d, row = report_of_one_row()
     assert "Where the host time goes" not in "\n".join(report.scale_section(d, "i"))
     hooks = dict.fromkeys(report.HOOK_NAMES, 0.25) | {"VTokenWorker.end_step": 0.5}
     row |= {"hooks_ms": hooks, "before_hooks_ms": dict.fromkeys(hooks, 1.0)}
