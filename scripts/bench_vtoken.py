@@ -649,7 +649,6 @@ def cmd_scale(args) -> dict:
         src = {"n": n, "min_tokens": 0, "max_tokens": args.prompt_len}
         spec = {"random": src, "max_tokens": args.gen_len, "light": True}
         short = {**spec, "max_tokens": 16, "count_hook_calls": True}
-        spec["time_hooks"] = True  # the timed runs: each hook's share too
         runs: dict[tuple[str, str], list] = {}
         for _, policy, (ver, env) in itertools.product(
             range(args.repeats), ["none", *args.policies], versions(args).items()
@@ -657,8 +656,9 @@ def cmd_scale(args) -> dict:
             if policy == "none" and ver != "vtoken":
                 continue  # native is the same on every overlay
             extra = policy_args(policy, args.budget, "vtoken")
-            run = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
-            hooked = policy != "none"
+            hooked = policy != "none"  # then each hook's share is timed too
+            timed = {**spec, "time_hooks": hooked}
+            run = run_driver({"engine": {**eng, **extra}, **timed}, env=env)
             runs.setdefault((policy, ver), []).append(scale_run(run, n, hooked))
             print(
                 f"scale {n:5d} {policy:13s} {ver:7s} {runs[policy, ver][-1]['host_ms']}"

@@ -260,8 +260,9 @@ def probe() -> int:
 HOOK_NS: dict[str, int] = {}
 
 
-def time_hooks() -> None:
-    """Wraps each of vToken's step hooks (HOOKS) in a timer (HOOK_NS)."""
+def _wrap_hooks(wrap) -> None:
+    """Replaces each of vToken's step hooks (HOOKS) by `wrap(cls, name, fn)`
+    (a function that calls `fn`)."""
     import functools
     import importlib
 
@@ -271,50 +272,53 @@ def time_hooks() -> None:
         module, cls = where.split(":")
         cls = getattr(importlib.import_module(module), cls)
         for name in names:
-            key = f"{cls.__name__}.{name}"
-            HOOK_NS[key] = 0
+            fn = getattr(cls, name)
+            setattr(cls, name, functools.wraps(fn)(wrap(cls, name, fn)))
 
-            @functools.wraps(fn := getattr(cls, name))
-            def timing(*args, _fn=fn, _key=key, **kwargs):
-                t = time.perf_counter_ns()
-                try:
-                    return _fn(*args, **kwargs)
-                finally:
-                    HOOK_NS[_key] += time.perf_counter_ns() - t
 
-            setattr(cls, name, timing)
+def time_hooks() -> None:
+    """Wraps each of vToken's step hooks in a timer (HOOK_NS)."""
+
+    def wrap(cls, name, fn):
+        key = f"{cls.__name__}.{name}"
+        HOOK_NS[key] = 0
+
+        def timing(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                HOOK_NS[key] += time.perf_counter_ns() - t
+
+        return timing
+
+    _wrap_hooks(wrap)
 
 
 def count_hook_calls() -> None:
     """Wraps vToken's step hooks so that the calls they make are counted, and
     the scheduler's begin_step so that `probe` runs cold and warm before it."""
-    import functools
-    import importlib
-
-    import vllm.config  # noqa: F401 (first: the overlay's modules import it)
 
     def hook(frame, event, arg) -> None:
         if event in HOOK_CALLS:
             HOOK_CALLS[event] += 1
 
-    for where, names in HOOKS.items():
-        module, cls = where.split(":")
-        cls = getattr(importlib.import_module(module), cls)
-        for name in names:
-            first = (cls.__name__, name) == ("VTokenScheduler", "begin_step")
+    def wrap(cls, name, fn):
+        first = (cls.__name__, name) == ("VTokenScheduler", "begin_step")
 
-            @functools.wraps(fn := getattr(cls, name))
-            def counting(*args, _fn=fn, _first=first, **kwargs):
-                if _first:
-                    PROBE_NS["cold"] += probe()
-                    PROBE_NS["warm"] += probe()
-                sys.setprofile(hook)
-                try:
-                    return _fn(*args, **kwargs)
-                finally:
-                    sys.setprofile(None)
+        def counting(*args, **kwargs):
+            if first:
+                PROBE_NS["cold"] += probe()
+                PROBE_NS["warm"] += probe()
+            sys.setprofile(hook)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.setprofile(None)
 
-            setattr(cls, name, counting)
+        return counting
+
+    _wrap_hooks(wrap)
 
 
 class Driver:

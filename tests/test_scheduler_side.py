@@ -639,3 +639,23 @@ def test_a_prefix_cache_hit_is_slotted_where_vllm_wrote_it(check, monkeypatch):
     assert vt.pool.slots("B").tolist() == want
     assert ids[:3] == kv.get_block_ids("A")[0][:3]  # the shared prefix
     vt.check_integrity()
+
+
+def test_a_block_emptied_of_tokens_moved_into_it_is_freed_where_it_is():
+    """The emptied-block search names the entry a dead token was written at;
+    after compaction moved token 0 into b1 (entry 1), that entry holds the
+    null block, so the freeing finds b1 through the index instead."""
+    import numpy as np
+
+    kv, vt, req = setup("vtoken")
+    step(kv, vt, req, 12, running=[])
+    b0, b1, b2 = kv.get_block_ids("A")[0]
+    step(kv, vt, req, 1, running=[req])  # as test_hand_computed_step: 0 -> b1
+    assert vt.pool.slots("A")[0] == b1 * B and kv.get_block_ids("A")[0][0] == 0
+    free = kv.block_pool.get_num_free_blocks()
+    dead = vt.pool.evict("A", np.array([0, 7]))  # b1's two live tokens
+    vt.reclaimer.free_empty_blocks(["A"], np.zeros(2, np.int64), dead, vt._reqs)
+    assert kv.get_block_ids("A")[0][:3] == [0, 0, b2]
+    assert kv.block_pool.get_num_free_blocks() == free + 1
+    assert vt._reqs["A"].nulls == 2
+    vt.check_integrity()

@@ -653,7 +653,7 @@ def test_a_decode_layer_adds_its_masses_in_order_with_no_per_layer_index_work(
         b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
     )
     assert plan.scores_in_order and plan.num_decode == 3
-    general = dataclasses.replace(plan, scores_in_order=False, pad=None, valid_at=None)
+    general = dataclasses.replace(plan, scores_in_order=False)
     cpu_token_attention(  # once first: the head index is made once a process
         b["query"], b["key_cache"], b["value_cache"], torch.empty_like(b["query"]),
         plan, b["scale"],

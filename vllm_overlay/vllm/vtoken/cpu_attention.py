@@ -85,6 +85,13 @@ class CpuReadPlan:
     off: torch.Tensor  # [R, W] int64
     v_rows: torch.Tensor  # [R * H * W] int64
     valid: torch.Tensor  # [R, W] bool
+    # Derived once a step, not once a layer: `valid`'s complement shaped for
+    # the logits [R, 1, 1, W], the flat positions of the valid entries of
+    # [R, W] (the masses' gather), and whether `score_pos` is every key in
+    # order (a read of decodes only: the masses add to the step buffer as is).
+    pad: torch.Tensor
+    valid_at: torch.Tensor
+    scores_in_order: bool
     others: list[int]
     other_q: list[tuple[int, int]]
     other_slots: torch.Tensor  # [S'] int64
@@ -96,13 +103,6 @@ class CpuReadPlan:
     # and each other request's counted last rows (None: scores' window).
     decode_counted: torch.Tensor | None = None  # [R] bool
     other_rows: list[int] | None = None
-    # Derived once a step, not once a layer: `valid`'s complement shaped for
-    # the logits [R, 1, 1, W], the flat positions of the valid entries of
-    # [R, W] (the masses' gather), and whether `score_pos` is every key in
-    # order (a read of decodes only: the masses add to the step buffer as is).
-    pad: torch.Tensor | None = None
-    valid_at: torch.Tensor | None = None
-    scores_in_order: bool = False
 
 
 def build_cpu_read_plan(
@@ -253,11 +253,7 @@ def cpu_token_attention(
         mass = _decode_batched(query, key_cache, value_cache, out, plan, scale, top)
         if plan.decode_counted is not None:  # a one-row chunk of a prefill
             mass.masked_fill_(~plan.decode_counted[:, None], 0.0)
-        valid_at = plan.valid_at
-        if valid_at is None:  # a plan built elsewhere
-            masses.append(mass[plan.valid])
-        else:
-            masses.append(mass.view(-1).index_select(0, valid_at))
+        masses.append(mass.view(-1).index_select(0, plan.valid_at))
     if plan.others:
         key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
         gqa = num_q_heads != key.shape[1]
@@ -318,8 +314,7 @@ def _decode_batched(
     # GQA: query head h * G + g reads KV head h (h // G, as SDPA's enable_gqa).
     q = query[plan.q_rows].float().view(num_reqs, heads, -1, head_dim)
     logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [R, H, G, W]
-    pad = ~plan.valid[:, None, None, :] if plan.pad is None else plan.pad
-    logits.masked_fill_(pad, float("-inf"))
+    logits.masked_fill_(plan.pad, float("-inf"))
     probs = logits.softmax(dim=-1)
     rows, w = plan.q_rows, plan.decode_write
     if w is not None:  # rows read for their scores only get no output
