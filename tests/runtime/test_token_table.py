@@ -419,6 +419,51 @@ def test_compiled_batch_ops_agree_with_a_dense_recount(seed):
     assert pool.total_live() == sum(pool.num_live(r) for r in names)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_step_filter_and_eviction_runs_are_the_numpy_passes(seed):
+    # The scheduler's begin_step chooses the requests to evict from and
+    # counts what they lost in two compiled passes (over_budget,
+    # evicted_runs): each equals the NumPy passes it replaced, on tables
+    # with evictions and marks, rows without a table (-1), requests still in
+    # their prompt, and a limit (a batch in flight) or none.
+    rng = np.random.default_rng(seed)
+    pool = TokenTablePool(1024, B)
+    names = [f"r{i}" for i in range(20)]
+    free = list(rng.permutation(1024 * B))
+    for rid in names:
+        pool.add_request(rid)
+    rows = pool.rows(names)
+    counts = rng.integers(0, 30, 20)
+    pool.append_rows(rows, counts, [free.pop() for _ in range(counts.sum())])
+    budget = rng.integers(0, 20, rows.max() + 1)
+    seen = np.zeros(3, bool)  # the cases met: skipped, ok under budget, over
+    for step in range(6):
+        seg, idx, _ = pool.live_tokens(rows)
+        pick = rng.random(idx.size) < 0.2
+        counts = np.bincount(seg[pick], minlength=rows.size)
+        pool.evict_rows(rows, np.r_[0, np.cumsum(counts)], idx[pick])
+        got_seg, due = pool.evicted_runs(rows, counts, 3)
+        np.testing.assert_array_equal(got_seg, np.arange(rows.size).repeat(counts))
+        np.testing.assert_array_equal(due, pool.dead_since_mark_rows(rows) >= 3)
+        if step % 2:
+            pool.mark_rows(rows[rng.random(rows.size) < 0.5])
+        at = np.where(rng.random(rows.size) < 0.2, -1, rows)
+        prompt = rng.integers(0, 15, rows.size)
+        slotted = np.where(at >= 0, pool.num_slotted_rows(rows), 0)
+        for limit in (np.zeros(0, np.int64), slotted + rng.integers(0, 2, rows.size)):
+            ok, which, attended, excess = pool.over_budget(at, prompt, limit, budget)
+            want = (at >= 0) & (prompt <= slotted)
+            if limit.size:
+                want &= slotted < limit
+            over = pool.num_live_rows(rows) - budget[rows]
+            np.testing.assert_array_equal(ok, want)
+            np.testing.assert_array_equal(which, np.flatnonzero(want & (over > 0)))
+            np.testing.assert_array_equal(attended, slotted[which])
+            np.testing.assert_array_equal(excess, over[which])
+            seen |= [not ok.all(), (ok & (over <= 0)).any(), which.size > 0]
+    assert seen.all()
+
+
 def test_a_batch_memo_rebuilds_when_the_batch_or_the_rows_change():
     pool = TokenTablePool(8, B)
     for rid in "abc":

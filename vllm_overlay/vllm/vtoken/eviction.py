@@ -216,16 +216,41 @@ class EvictionRuntime:
         over = (excess > 0).nonzero()[0]
         if not over.size:
             return over, over, over
+        attended = np.asarray(num_attended)[over]
+        return over, *self._evict_over(req_ids, rows, over, attended, excess[over])
+
+    def evict_running(
+        self, req_ids: list[str], rows: np.ndarray, prompt: np.ndarray, limit
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The scheduler's step: `enforce_budgets` of the running requests at
+        Token Table `rows` (int64, -1: no table yet) that have attended their
+        `prompt` tokens and, where `limit` is not empty, hold fewer than
+        limit[i] slotted (their last step's output is in); choosing them and
+        their excess is one compiled pass (TokenTablePool.over_budget).
+
+        Returns:
+            (ok, which, counts, idx): `ok` marks the requests so chosen;
+            req_ids[which[k]] lost counts[k] tokens, as in `enforce_budgets`.
+        """
+        budget = self._by_row["budget"]
+        assert not integrity.CHECK or rows.max(initial=-1) < budget.size
+        ok, over, attended, excess = self.pool.over_budget(rows, prompt, limit, budget)
+        if not over.size:
+            return ok, over, over, over
+        return ok, over, *self._evict_over(req_ids, rows, over, attended, excess)
+
+    def _evict_over(self, req_ids, rows, over, attended, excess):
+        """(counts, idx): evicts excess[k] tokens of req_ids[over[k]] (at
+        rows[over[k]], `attended` slotted), each group of one policy at once;
+        runs in `over`'s order."""
         if over.size == len(req_ids):  # every request (the steady state)
             ids = req_ids
         else:
             ids = [req_ids[i] for i in over.tolist()]
-        attended = np.asarray(num_attended)[over]
         if len(self._by_index) == 2:  # one policy in use: one group, in order
-            counts, idx = self._evict_group(
-                self._by_index[1], ids, rows[over], attended, excess[over]
+            return self._evict_group(
+                self._by_index[1], ids, rows[over], attended, excess
             )
-            return over, counts, idx
         out = []
         pix = self._by_row["pix"][rows[over]]
         for p in np.unique(pix):
@@ -233,14 +258,13 @@ class EvictionRuntime:
             policy = self._by_index[p]
             group = ids if sel.size == len(ids) else [ids[i] for i in sel]
             counts, idx = self._evict_group(
-                policy, group, rows[over[sel]], attended[sel], excess[over[sel]]
+                policy, group, rows[over[sel]], attended[sel], excess[sel]
             )
-            out.append((over[sel], counts, idx))
+            out.append((sel, counts, idx))
         which, counts, idx = (np.concatenate(x) for x in zip(*out, strict=True))
         order = np.argsort(which, kind="stable")
         starts = (np.cumsum(counts) - counts)[order]
-        flat = ranges(starts, counts[order])
-        return which[order], counts[order], idx[flat]
+        return counts[order], idx[ranges(starts, counts[order])]
 
     def _evict_group(self, policy, ids, rows, attended, excess):
         """Evicts `excess` tokens of each of `ids` (one policy's requests):

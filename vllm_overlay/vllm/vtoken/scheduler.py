@@ -148,34 +148,35 @@ class VTokenScheduler:
         # batch first: that step's scores are not in yet).
         running = list(running)
         rids, rows, prompt = self._running.get(running, self._running_rows)
-        # A running request's computed tokens are its slotted ones: vLLM
-        # added last step's to both (and a preemption reset both).
-        attended = pool.num_slotted_rows(rows)
-        assert (
-            not integrity.CHECK
-            or (attended[rows >= 0] == attrs(running, _COMPUTED)[rows >= 0]).all()
-        ), "a running request's computed tokens are not its slotted ones"
-        ok = (rows >= 0) & (prompt <= attended)
+        if integrity.CHECK:
+            # A running request's computed tokens are its slotted ones: vLLM
+            # added last step's to both (and a preemption reset both).
+            known = rows >= 0
+            attended = pool.num_slotted_rows(rows)[known]
+            assert (attended == attrs(running, _COMPUTED)[known]).all(), (
+                "a running request's computed tokens are not its slotted ones"
+            )
+        limit = _NO_LIMIT
         if self._num_outputs < self._num_steps or integrity.CHECK:
             # A batch in flight (PP's batch queue): a request whose last step's
-            # output is not in has as many tokens as computed. Otherwise every
-            # running request past its prefill has one more. (len: without
-            # Request.num_tokens's Python property.)
-            num_tokens = np.fromiter(map(len, map(_ALL_TOKENS, running)), np.int64)
-            assert not integrity.CHECK or num_tokens.tolist() == [
+            # output is not in has as many tokens as computed; skip it (limit).
+            # Otherwise every running request past its prefill has one more.
+            # (len: without Request.num_tokens's Python property.)
+            limit = np.fromiter(map(len, map(_ALL_TOKENS, running)), np.int64)
+            assert not integrity.CHECK or limit.tolist() == [
                 r.num_tokens for r in running
             ], "Request.num_tokens is no longer len(Request._all_token_ids)"
-            in_flight = ok & (attended >= num_tokens)
-            assert not in_flight.any() or self._num_outputs < self._num_steps
-            ok &= ~in_flight
-        if not ok.all():
-            rids, rows, attended = list(compress(rids, ok)), rows[ok], attended[ok]
+            assert (
+                self._num_outputs < self._num_steps
+                or not ((rows >= 0) & (pool.num_slotted_rows(rows) >= limit)).any()
+            ), "a request's last output is missing with no batch in flight"
         self._freed_at_evict = self._num_freed
-        which, counts, idx = self.runtime.enforce_budgets(rids, attended, rows)
-        for rid in self._caching.intersection(rids) if self._caching else ():
-            if pool.has_dead(rid):
-                self.reclaimer.stop_caching(rid)
-                self._caching.discard(rid)
+        ok, which, counts, idx = self.runtime.evict_running(rids, rows, prompt, limit)
+        if self._caching:
+            for rid in self._caching.intersection(compress(rids, ok)):
+                if pool.has_dead(rid):
+                    self.reclaimer.stop_caching(rid)
+                    self._caching.discard(rid)
         if not which.size:
             return
         # `which` ascends: as long as rids, it is every request.
@@ -183,10 +184,9 @@ class VTokenScheduler:
         self._step_dead.append((ids, counts, idx))
         self.counters.evicted_tokens += int(idx.size)
         rows = rows[which]
-        due = pool.dead_since_mark_rows(rows) >= self.block_size
+        seg, due = pool.evicted_runs(rows, counts, self.block_size)
         self._plan_due.update(compress(ids, due))
         # Blocks whose last live token just died are freed.
-        seg = np.arange(len(ids)).repeat(counts)
         self.reclaimer.free_empty_blocks(ids, seg, idx, self._reqs, rows)
 
     @timed("scheduler_ns")
@@ -452,6 +452,7 @@ class VTokenScheduler:
 
 _COMPUTED = attrgetter("num_computed_tokens")
 _NO_IDS = np.zeros(0, np.int64)
+_NO_LIMIT = np.zeros(0, np.int64)  # evict_running: every last output is in
 _PROMPT = attrgetter("num_prompt_tokens")
 _ALL_TOKENS = attrgetter("_all_token_ids")
 _REQ_ID = attrgetter("request_id")

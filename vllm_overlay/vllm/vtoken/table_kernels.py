@@ -222,6 +222,59 @@ def emptied_blocks(rows, seg, idx, start, n_slotted, slot, block_live, B, num_bl
     return out[:m] // num_blocks, out[:m] % num_blocks, entry[:m]
 
 
+@numba.njit(
+    numba.types.Tuple((_b1, _i64, _i64, _i64))(_i64, _i64, _i64, _i64, _i64, _i64),
+    **_jit,
+)
+def over_budget(rows, prompt, limit, n_slotted, n_live, budget):
+    """The scheduler's step, before evicting (VTokenScheduler.begin_step):
+    (ok, which, attended, excess). ok[i]: rows[i] exists (>= 0), has its
+    prompt[i] tokens attended (n_slotted), and, where `limit` is given (not
+    empty), fewer than limit[i] (its last step's output is in). Of those,
+    `which` (ascending) hold more live tokens than budget[row], by `excess`,
+    with `attended` slotted."""
+    R = rows.size
+    ok = np.zeros(R, np.bool_)
+    which, attended, excess = (
+        np.empty(R, np.int64),
+        np.empty(R, np.int64),
+        np.empty(R, np.int64),
+    )
+    m = 0
+    for i in range(R):
+        r = rows[i]
+        if r < 0 or prompt[i] > n_slotted[r]:
+            continue
+        if limit.size and n_slotted[r] >= limit[i]:
+            continue
+        ok[i] = True
+        e = n_live[r] - budget[r]
+        if e > 0:
+            which[m], attended[m], excess[m] = i, n_slotted[r], e
+            m += 1
+    return ok, which[:m], attended[:m], excess[:m]
+
+
+@numba.njit(
+    numba.types.Tuple((_i64, _b1))(_i64, _i64, _i64, _i64, _i64, numba.int64),
+    **_jit,
+)
+def evicted_runs(rows, counts, n_tokens, n_live, n_dead_marked, threshold):
+    """After a step's eviction (row rows[i] lost counts[i] tokens): (seg,
+    due), seg the run i of each evicted token (i repeated counts[i] times),
+    due[i] whether row rows[i] has `threshold` or more tokens dead since its
+    mark (TokenTablePool.dead_since_mark_rows)."""
+    seg = np.empty(counts.sum(), np.int64)
+    due = np.empty(rows.size, np.bool_)
+    m = 0
+    for i in range(rows.size):
+        seg[m : m + counts[i]] = i
+        m += counts[i]
+        r = rows[i]
+        due[i] = n_tokens[r] - n_live[r] - n_dead_marked[r] >= threshold
+    return seg, due
+
+
 # append_read's status bits: nothing changed (HITS, ROOM), or keys not listed.
 HITS, ROOM, DEAD_QUERY = 1, 2, 4
 

@@ -401,6 +401,27 @@ class TokenTablePool:
         c = self._a.cols
         return c["n_tokens"][rows] - c["n_live"][rows] - c["n_dead_marked"][rows]
 
+    def over_budget(self, rows, prompt, limit, budget):
+        """(ok, which, attended, excess) of the running requests at `rows`
+        (-1: no table yet), in one pass (table_kernels.over_budget): ok, those
+        past their `prompt` tokens (and, `limit` not empty, short of limit:
+        their last step's output is in); which, the ok ones holding more live
+        tokens than budget[row] (int64, by pool row), by excess, with
+        `attended` tokens slotted."""
+        c = self._a.cols
+        return self._k.over_budget(
+            rows, prompt, limit, c["n_slotted"], c["n_live"], budget
+        )
+
+    def evicted_runs(self, rows, counts, threshold: int):
+        """(seg, due) after an eviction where rows[i] lost counts[i] tokens:
+        each token's run i, and whether `dead_since_mark_rows` reached
+        `threshold` (table_kernels.evicted_runs)."""
+        c = self._a.cols
+        return self._k.evicted_runs(
+            rows, counts, c["n_tokens"], c["n_live"], c["n_dead_marked"], threshold
+        )
+
     def mark_rows(self, rows: np.ndarray, recounted=None) -> None:
         """Starts `dead_since_mark_rows` over; with `recounted` (int [R]),
         counts that many dead tokens of each row again instead (a resumed
