@@ -30,4 +30,5 @@ bench parallel --model "$tiny" --prompts random --requests 16 --prompt-len 96 \
   --gen-len 64 --budget 48 --policies h2o streamingllm random --repeats 3
 # With VTOKEN_BASELINE_REPO (an older checkout), the planner's too.
 "$VTOKEN_PY" scripts/bench_planner.py ${VTOKEN_BASELINE_REPO:+--baseline "$VTOKEN_BASELINE_REPO"}
+"$VTOKEN_PY" scripts/bench_cpu_read.py
 "$VTOKEN_PY" scripts/bench_report.py

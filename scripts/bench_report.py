@@ -99,6 +99,30 @@ def memory_section(d: dict, img: str) -> list[str]:
     return out
 
 
+def cpu_read_section(d: dict, img: str = "") -> list[str]:
+    shape, ref = d["shape"], d["median_us"][d["vs"]]
+    out = [
+        "## CPU decode read, one layer",
+        "",
+        f"`{d['command']}` ({d['date']}). One decode layer's attention, "
+        f"{shape['requests']} requests of {shape['heads']} query / "
+        f"{shape['kv_heads']} KV heads of {shape['head_dim']}, {shape['dtype']}, "
+        f"{d['torch_threads']} torch threads: vLLM's CPU_ATTN kernel over each "
+        "request's whole context against vToken's token read of its live tokens "
+        "(packed into its blocks after compaction, or scattered), with H2O's "
+        "masses or without; both reads of one full context agree to bf16 "
+        "rounding before anything is timed. Median of "
+        f"{d['iters']} reads, then of {d['repeats']} runs taking turns.",
+        "",
+        f"| read | µs a layer | vs {d['vs']} | runs µs |",
+        "|---|---:|---:|---|",
+    ]
+    for name, us in d["median_us"].items():
+        runs = ", ".join(f"{x:.0f}" for x in d["runs_us"][name])
+        out.append(f"| {name} | {us:.0f} | {us / ref:.2f} | {runs} |")
+    return out + [""]
+
+
 def capacity_section(d: dict, img: str) -> list[str]:
     r, per = d["results"], d["blocks_per_request"]
     out = [
@@ -475,6 +499,7 @@ def parallel_section(d: dict, img: str) -> list[str]:
 
 SECTIONS = [
     ("memory", memory_section),
+    ("cpu_read", cpu_read_section),
     ("capacity*", capacity_section),
     ("sla", sla_section),
     ("overhead", overhead_section),
