@@ -12,7 +12,7 @@ one layer's read, repeated hundreds of times on the same tensors, does not.
 Native reads each request's whole context through its block table; vToken's
 read gathers the live slots of the step's plan (`build_cpu_read_plan`), with
 H2O's masses or without. Before timing, both reads of one full context (every
-token live, the same slots) must agree to bf16 rounding, so that the two
+token live, the same slots) must agree to the dtype's rounding (2e-2), so that the two
 numbers time the same attention.
 """
 
@@ -32,15 +32,6 @@ import torch
 
 B = 16  # block size
 OUT = pathlib.Path(__file__).resolve().parents[1] / "docs/bench/cpu_read.json"
-
-
-class _SumScores:  # a policy's score fields, as ScoreAccumulator.of_policy reads them
-    score_mode, score_window, score_aggregate, score_query_window = (
-        "sum",
-        None,
-        "mean",
-        None,
-    )
 
 
 def _native(q, kc, vc, out, context: int, scale: float):
@@ -72,6 +63,7 @@ def _native(q, kc, vc, out, context: int, scale: float):
 
 def _token_read(q, kc, vc, out, slots: np.ndarray, scale: float, scored: bool):
     from vllm.vtoken.cpu_attention import build_cpu_read_plan, cpu_token_attention
+    from vllm.vtoken.policies import create_policy
     from vllm.vtoken.scores import ScoreAccumulator
 
     R = q.shape[0]
@@ -79,11 +71,12 @@ def _token_read(q, kc, vc, out, slots: np.ndarray, scale: float, scored: bool):
     plan = build_cpu_read_plan(
         np.arange(R + 1), np.arange(R + 1) * width, slots, B, kc.shape[1]
     )
-    scores = ScoreAccumulator.of_policy(_SumScores) if scored else None
+    scores = None
+    if scored:  # H2O's: every key's mass summed over heads and queries
+        scores = ScoreAccumulator.of_policy(create_policy("h2o", slots.size))
+        scores.begin_step(slots.size)  # the worker's, once a step: not timed
 
     def read():
-        if scores is not None:
-            scores.begin_step(slots.size)  # the worker's, once a step
         cpu_token_attention(q, kc, vc, out, plan, scale, scores)
 
     return read

@@ -110,8 +110,8 @@ def cpu_read_section(d: dict, img: str = "") -> list[str]:
         f"{d['torch_threads']} torch threads: vLLM's CPU_ATTN kernel over each "
         "request's whole context against vToken's token read of its live tokens "
         "(packed into its blocks after compaction, or scattered), with H2O's "
-        "masses or without; both reads of one full context agree to bf16 "
-        "rounding before anything is timed. Median of "
+        "masses or without; both reads of one full context agree to 2e-2 "
+        "before anything is timed. Median of "
         f"{d['iters']} reads, then of {d['repeats']} runs taking turns.",
         "",
         f"| read | µs a layer | vs {d['vs']} | runs µs |",

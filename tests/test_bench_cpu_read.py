@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytest.importorskip("vllm._custom_ops")  # vLLM's CPU kernels, to time against
+
 sys.path.insert(0, str(REPO / "scripts"))
 
 _spec = importlib.util.spec_from_file_location(

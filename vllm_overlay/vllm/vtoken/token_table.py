@@ -408,6 +408,8 @@ class TokenTablePool:
         their last step's output is in); which, the ok ones holding more live
         tokens than budget[row] (int64, by pool row), by excess, with
         `attended` tokens slotted."""
+        # numba reads without bounds: the per-request arrays match here.
+        assert prompt.size == rows.size and limit.size in (0, rows.size)
         c = self._a.cols
         return self._k.over_budget(
             rows, prompt, limit, c["n_slotted"], c["n_live"], budget
@@ -418,6 +420,8 @@ class TokenTablePool:
         each token's run i, and whether `dead_since_mark_rows` reached
         `threshold` (table_kernels.evicted_runs)."""
         c = self._a.cols
+        counts = np.ascontiguousarray(counts, np.int64)  # a plug-in's may stride
+        assert counts.size == rows.size
         return self._k.evicted_runs(
             rows, counts, c["n_tokens"], c["n_live"], c["n_dead_marked"], threshold
         )
