@@ -63,3 +63,18 @@ def test_build_context_carries_exactly_what_is_copied() -> None:
     ]
     assert rules[0] == "*"
     assert sorted(r[1:] for r in rules if r.startswith("!")) == sources
+
+
+def test_the_image_compiles_every_numba_module_of_the_overlay() -> None:
+    # A module left out compiles at the first server start instead (seconds).
+    overlay = REPO / "vllm_overlay"
+    compiled = sorted(
+        ".".join(p.relative_to(overlay).with_suffix("").parts)
+        for p in (overlay / "vllm" / "vtoken").rglob("*.py")
+        if re.search(r"^import numba$", p.read_text(), re.M)
+    )
+    assert compiled, "no numba module found: the search is wrong"
+    imports = [r for r in instructions("RUN") if "python3 -c" in r]
+    assert imports, "no RUN imports the overlay"
+    named = set(re.findall(r"vllm\.vtoken[\w.]*", imports[-1]))
+    assert [m for m in compiled if m not in named] == []

@@ -1,6 +1,7 @@
 """KVCopyExecutor: every moved token reads back bit-exact through its new slot.
 
-CPU tests run the synchronous torch path for both layouts; the Triton kernel is
+CPU tests run the synchronous paths of both layouts (the "cpu" layout's
+compiled loop, kv_copy_cpu.py; torch index ops for "triton"); the Triton kernel is
 checked on CPU tensors under TRITON_INTERPRET=1 (in a child process, so the
 interpreter never leaks into other tests); `gpu` tests check stream ordering.
 """
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tests.runtime.interpreter import run_under_interpreter
+from vllm.vtoken import integrity
 from vllm.vtoken.copy_executor import KVCopyExecutor
 
 
@@ -88,7 +90,9 @@ def check_plan_applied(before, after, layout, src, dst):
 
 
 @pytest.mark.parametrize("layout", ["cpu", "triton"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+)
 def test_random_plans_move_bytes_exactly(layout, dtype):
     rng = np.random.default_rng(7)
     block = 16
@@ -152,6 +156,21 @@ def test_bad_plans_are_caught_and_copy_nothing(src, dst, match):
         ex.submit(0, np.array(src), np.array(dst))
     assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
     assert ex.poll() == [] and ex.bytes_copied == 0
+
+
+@pytest.mark.parametrize("src,dst", [([1, -1], [40, 41]), ([1, 2], [40, 96])])
+def test_a_slot_outside_the_cache_is_refused_without_deep_checks(
+    monkeypatch, src, dst
+):
+    # The compiled copy does not check bounds per element: it checks every
+    # slot first, so a bad plan writes nothing (and never outside the cache).
+    monkeypatch.setattr(integrity, "CHECK", False)
+    caches = make_caches("cpu", dtype=torch.bfloat16)
+    before = [c.clone() for c in caches]
+    ex = KVCopyExecutor(caches, "cpu", 16)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        ex.submit(0, np.array(src), np.array(dst))
+    assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
 
 
 def test_batch_id_reused_before_report_is_caught():

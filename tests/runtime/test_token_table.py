@@ -4,6 +4,7 @@
 import numpy as np
 import pytest
 
+from vllm.vtoken import integrity
 from vllm.vtoken.context import read_keys
 from vllm.vtoken.token_table import TokenTablePool
 
@@ -139,6 +140,28 @@ def test_apply_moves_catches_bad_moves_before_mutating():
     with pytest.raises(AssertionError):  # length mismatch
         pool.apply_moves(["a"], np.array([0, 2]), np.array([0, 1]), np.array([8]))
     assert_same(before, snapshot(pool, "a"))
+
+
+@pytest.mark.parametrize(
+    "idx,slots", [([0, 4], [8, 9]), ([0, -1], [8, 9]), ([0, 1], [8, 64]), ([0], [-2])]
+)
+def test_a_move_outside_the_table_is_refused_without_deep_checks(
+    monkeypatch, idx, slots
+):
+    # The compiled switch reads and writes without bounds checks: it checks
+    # every move first, so a bad one changes nothing and writes nowhere else.
+    monkeypatch.setattr(integrity, "CHECK", False)
+    pool = make_pool(a=[0, 1, 2, 3], b=[4, 5])
+    before = snapshot(pool, "a"), snapshot(pool, "b")
+    with pytest.raises(AssertionError, match="not slotted or slot"):
+        pool.apply_moves(
+            ["b", "a"],
+            np.array([0, 1, 1 + len(idx)]),
+            np.array([0, *idx]),
+            np.array([12, *slots]),
+        )
+    assert_same(before[0], snapshot(pool, "a"))
+    assert_same(before[1], snapshot(pool, "b"))
 
 
 def test_reset_slots_keeps_liveness_and_resync_restores_counts():

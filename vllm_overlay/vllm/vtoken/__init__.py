@@ -9,8 +9,9 @@ vLLM's block pool.
 
 Scheduler side: token_table, policies, eviction, planner, packing,
                 request_state, block_index, reclaimer, scheduler.
-Worker side:    copy_executor, kv_copy_triton, cpu_attention, triton_attention,
-                score_kernel, score_triton, context, scores, worker.
+Worker side:    copy_executor, kv_copy_cpu, kv_copy_triton, cpu_attention,
+                triton_attention, score_kernel, score_triton, context, scores,
+                worker.
 Both:           config, messages, stats, metrics, integrity.
 docs/DESIGN.md §8 maps which call lives where.
 The core modules import only numpy and torch; vLLM types appear under

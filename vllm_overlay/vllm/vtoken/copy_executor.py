@@ -11,7 +11,8 @@ has landed, so the worker can switch its slot map and acknowledge.
     blk 9: [.  .  .  .]  dst 36, 37       blk 9: [a  b  .  .]
 
 Sources are never overwritten, so attention may keep reading them until the
-switch. On CPU the copy is synchronous. On CUDA it runs on a side stream that
+switch. On CPU the copy is synchronous (the "cpu" layout by a compiled loop a
+layer, kv_copy_cpu.py). On CUDA it runs on a side stream that
 first waits for the current stream (earlier forwards wrote the sources); an
 event marks completion and `poll()` reports the batch once the event is done.
 Slot `s` is `(block s // B, offset s % B)`. Layouts: "cpu" is vLLM's CPU_ATTN
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from vllm.vtoken import integrity
+from vllm.vtoken.arena import block_shift
 
 LAYOUTS = ("cpu", "triton")
 
@@ -115,6 +117,15 @@ class KVCopyExecutor:
         self._triton: Any = None
         if use_triton and self._is_cuda and layout == "triton":
             self._triton = _make_triton_copier(self._caches, block_size)
+        # CPU layout: each layer's K and V as NumPy views of their bits, for
+        # the compiled copy (kv_copy_cpu.py; numba, imported here only).
+        self._cpu_views: list[tuple[np.ndarray, np.ndarray]] = []
+        if layout == "cpu":
+            from vllm.vtoken import kv_copy_cpu
+
+            self._copy_cpu = kv_copy_cpu.copy_slots
+            self._shift = block_shift(blk)
+            self._cpu_views = [kv_copy_cpu.layer_views(c, blk) for c in kv_caches]
 
     def warm_up(self) -> None:
         """Compiles the copy kernel at start-up, not in the first compacting
@@ -154,8 +165,7 @@ class KVCopyExecutor:
             self._submit_cuda(batch_id, src, dst)
         else:
             if src.size:
-                src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
-                self._copy_torch(src_t, dst_t)
+                self._copy_host(src, dst)
             self._done.append(batch_id)
         self._bytes_copied += int(src.size) * self._slot_bytes
 
@@ -213,21 +223,21 @@ class KVCopyExecutor:
             assert not np.isin(src, dst).any(), "a destination is also a source"
         return src, dst
 
+    def _copy_host(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if self._cpu_views:  # one compiled call a layer
+            for key, value in self._cpu_views:
+                self._copy_cpu(key, value, src, dst, self._shift)
+        else:  # "triton" layout on CPU tensors (tests)
+            self._copy_torch(torch.from_numpy(src), torch.from_numpy(dst))
+
     def _copy_torch(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        # "triton" layout, [N, 2, B, H, D]: the K and V rows of each slot in
+        # one gather a layer (CUDA without Triton, or CPU tensors in tests).
         block = self.block_size
         src_blk, src_off = src // block, src % block
         dst_blk, dst_off = dst // block, dst % block
         for cache in self._caches:
-            if self.layout == "cpu":
-                num_blocks, heads, _, head_dim = cache.shape[1:]
-                # K page (block, head) is [D, B]: token offset is the last dim.
-                key = cache[0].view(num_blocks, heads, head_dim, block)
-                key[dst_blk, :, :, dst_off] = key[src_blk, :, :, src_off]
-                value = cache[1]
-                value[dst_blk, :, dst_off] = value[src_blk, :, src_off]
-            else:
-                # [M, 2, H, D]: the K and V rows of each slot in one gather.
-                cache[dst_blk, :, dst_off] = cache[src_blk, :, src_off]
+            cache[dst_blk, :, dst_off] = cache[src_blk, :, src_off]
 
     def _submit_cuda(self, batch_id: int, src: np.ndarray, dst: np.ndarray) -> None:
         if self._stream is None:

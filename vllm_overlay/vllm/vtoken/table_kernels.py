@@ -191,6 +191,43 @@ def evict_rows(
 
 
 @numba.njit(
+    numba.int64(
+        _i64, _b1, _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, numba.int64,
+        numba.int64,
+    ),
+    **_jit,
+)  # fmt: skip
+def move_rows(
+    rows, keep, indptr, idx, dst, start, n_slotted, slot, live, block_live,
+    block_size, num_slots,
+):  # fmt: skip
+    """A move batch lands (TokenTablePool.apply_moves): for each i kept
+    (rows[i] >= 0, keep[i], row slotted), token idx[j] of row rows[i] takes
+    slot dst[j], j in [indptr[i], indptr[i + 1]); a live one's count moves
+    from its old block to its new one. Returns -1, or the first j whose
+    token is not slotted or whose slot is outside [0, num_slots) (then
+    nothing changed: numba reads without bounds)."""
+    for i in range(rows.size):
+        r = rows[i]
+        if r >= 0 and keep[i] and n_slotted[r] > 0:
+            for j in range(indptr[i], indptr[i + 1]):
+                if not (0 <= idx[j] < n_slotted[r] and 0 <= dst[j] < num_slots):
+                    return j
+    for i in range(rows.size):
+        r = rows[i]
+        if r < 0 or not keep[i] or n_slotted[r] == 0:
+            continue  # finished, preempted, or not to be switched
+        base = start[r]
+        for j in range(indptr[i], indptr[i + 1]):
+            p = base + idx[j]
+            if live[p]:
+                block_live[slot[p] // block_size] -= 1
+                block_live[dst[j] // block_size] += 1
+            slot[p] = dst[j]
+    return -1
+
+
+@numba.njit(
     numba.types.UniTuple(_i64, 3)(
         _i64, _i64, _i64, _i64, _i64, _i32, _i32, numba.int64, numba.int64
     ),

@@ -350,21 +350,25 @@ class TokenTablePool:
         """
         assert len(indptr) == len(req_ids) + 1 and len(idx) == len(dst_slots)
         row = self._a.rows_or_missing(req_ids)
-        ok = row >= 0
-        ok[ok] = self._n_slotted[row[ok]] > 0
-        if keep is not None:
-            ok &= np.asarray(keep, bool)
-        seg = np.repeat(np.arange(row.size), np.diff(indptr))
-        sel = ok[seg]
-        i = as_index(idx, "idx")[sel]
-        ns = self._as_slots(np.asarray(dst_slots)[sel], "dst_slots")
+        keep = np.ones(row.size, bool) if keep is None else np.asarray(keep, bool)
+        indptr = np.asarray(indptr, np.int64)
+        i, ns = as_index(idx, "idx"), as_index(dst_slots, "dst_slots")
         if integrity.CHECK:  # over the kept requests (every missing one is -1)
-            self._check_idx(row[ok], (np.cumsum(ok) - 1)[seg[sel]], i)
-        pos = self._a.start[row[seg[sel]]] + i
-        live = self._live[pos]
-        self._count(self._slot[pos][live], -1)
-        self._count(ns[live], +1)
-        self._slot[pos] = ns
+            ok = (row >= 0) & keep
+            ok[ok] = self._n_slotted[row[ok]] > 0
+            seg = np.repeat(np.arange(row.size), np.diff(indptr))
+            sel = ok[seg]
+            self._as_slots(ns[sel], "dst_slots")
+            self._check_idx(row[ok], (np.cumsum(ok) - 1)[seg[sel]], i[sel])
+        a, c = self._a.data, self._a.cols
+        bad = self._k.move_rows(
+            row, keep, indptr, i, ns, self._a.start, c["n_slotted"], a["slot"],
+            a["live"], self.block_live, self.block_size, self.num_slots,
+        )  # fmt: skip
+        assert bad < 0, (
+            f"move {bad}: token {i[bad]} is not slotted or slot {ns[bad]} is "
+            f"outside [0, {self.num_slots})"
+        )
 
     # ------------------------------------------------------------ queries
     def num_tokens(self, req_id: str) -> int:  # known: ever slotted
