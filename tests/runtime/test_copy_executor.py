@@ -159,9 +159,7 @@ def test_bad_plans_are_caught_and_copy_nothing(src, dst, match):
 
 
 @pytest.mark.parametrize("src,dst", [([1, -1], [40, 41]), ([1, 2], [40, 96])])
-def test_a_slot_outside_the_cache_is_refused_without_deep_checks(
-    monkeypatch, src, dst
-):
+def test_a_slot_outside_the_cache_is_refused_without_deep_checks(monkeypatch, src, dst):
     # The compiled copy does not check bounds per element: it checks every
     # slot first, so a bad plan writes nothing (and never outside the cache).
     monkeypatch.setattr(integrity, "CHECK", False)

@@ -164,6 +164,30 @@ def test_a_move_outside_the_table_is_refused_without_deep_checks(
     assert_same(before[1], snapshot(pool, "b"))
 
 
+@pytest.mark.parametrize(
+    "indptr,keep,match",
+    [
+        ([0, 1, 2], None, "does not match"),  # ends short of idx
+        ([1, 1, 3], None, "does not match"),
+        ([0, 3, 2, 3], None, "decreases"),  # one more request
+        ([0, 1, 3], [True], "does not match"),
+    ],
+)
+def test_a_batch_whose_csr_does_not_fit_is_refused_without_deep_checks(
+    monkeypatch, indptr, keep, match
+):
+    monkeypatch.setattr(integrity, "CHECK", False)
+    pool = make_pool(a=[0, 1, 2, 3], b=[4, 5], c=[6])
+    before = [snapshot(pool, r) for r in "abc"]
+    rids = ["b", "a", "c"][: len(indptr) - 1]
+    with pytest.raises(AssertionError, match=match):
+        pool.apply_moves(
+            rids, np.array(indptr), np.array([0, 0, 1]), np.array([12, 13, 14]), keep
+        )
+    for r, b in zip("abc", before, strict=True):
+        assert_same(b, snapshot(pool, r))
+
+
 def test_reset_slots_keeps_liveness_and_resync_restores_counts():
     pool = make_pool(a=[4, 5, 6, 7, 8, 9])
     pool.evict("a", np.array([1, 4]))

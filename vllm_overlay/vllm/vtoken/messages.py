@@ -14,9 +14,18 @@ step's worth, never a running state. Numpy arrays travel out of band.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+
+def owned(a: np.ndarray) -> np.ndarray:
+    """An int64 copy of a received index array that the receiver owns.
+
+    Out of band, a large array arrives as a read-only view of the transport's
+    buffer (vLLM's shared-memory ring), which numba's kernels refuse and
+    which the ring may reuse while the receiver still holds it."""
+    return np.array(a, np.int64)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +41,17 @@ class MoveBatch:
     idx: np.ndarray  # int64 [num_moves]: logical token index
     src_slots: np.ndarray  # int64 [num_moves]
     dst_slots: np.ndarray  # int64 [num_moves]
+
+    def received(self) -> MoveBatch:
+        """This batch with arrays of its own (`owned`): the worker keeps it
+        until its copy lands and hands its arrays to compiled loops."""
+        return replace(
+            self,
+            indptr=owned(self.indptr),
+            idx=owned(self.idx),
+            src_slots=owned(self.src_slots),
+            dst_slots=owned(self.dst_slots),
+        )
 
     def __repr__(self) -> str:  # SchedulerOutput is logged on engine errors
         return (

@@ -205,8 +205,12 @@ def move_rows(
     (rows[i] >= 0, keep[i], row slotted), token idx[j] of row rows[i] takes
     slot dst[j], j in [indptr[i], indptr[i + 1]); a live one's count moves
     from its old block to its new one. Returns -1, or the first j whose
-    token is not slotted or whose slot is outside [0, num_slots) (then
-    nothing changed: numba reads without bounds)."""
+    token is not slotted or whose slot is outside [0, num_slots), or
+    idx.size if indptr decreases (then nothing changed: numba reads without
+    bounds; the caller checked indptr's ends)."""
+    for i in range(rows.size):
+        if indptr[i] > indptr[i + 1]:
+            return idx.size
     for i in range(rows.size):
         r = rows[i]
         if r >= 0 and keep[i] and n_slotted[r] > 0:

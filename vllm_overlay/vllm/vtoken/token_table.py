@@ -353,6 +353,11 @@ class TokenTablePool:
         keep = np.ones(row.size, bool) if keep is None else np.asarray(keep, bool)
         indptr = np.asarray(indptr, np.int64)
         i, ns = as_index(idx, "idx"), as_index(dst_slots, "dst_slots")
+        # The CSR's ends (its steps are checked in the pass): numba reads
+        # without bounds.
+        assert keep.size == row.size and indptr[0] == 0 and indptr[-1] == i.size, (
+            "apply_moves: keep or indptr does not match the batch"
+        )
         if integrity.CHECK:  # over the kept requests (every missing one is -1)
             ok = (row >= 0) & keep
             ok[ok] = self._n_slotted[row[ok]] > 0
@@ -366,8 +371,10 @@ class TokenTablePool:
             a["live"], self.block_live, self.block_size, self.num_slots,
         )  # fmt: skip
         assert bad < 0, (
-            f"move {bad}: token {i[bad]} is not slotted or slot {ns[bad]} is "
-            f"outside [0, {self.num_slots})"
+            "apply_moves: indptr decreases"
+            if bad >= i.size
+            else f"move {bad}: token {i[bad]} is not slotted or slot {ns[bad]} "
+            f"is outside [0, {self.num_slots})"
         )
 
     # ------------------------------------------------------------ queries

@@ -35,7 +35,7 @@ from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
 from vllm.vtoken.cpu_attention import cpu_read_plan
-from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput
+from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput, owned
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.ranks import Acks, RankGroups
 from vllm.vtoken.request_args import request_eviction
@@ -175,11 +175,13 @@ class VTokenWorker:
                 pool.reset_slots(rid)
         step = so.vtoken
         if step is not None:
+            # The message's arrays as our own (messages.owned): from another
+            # process they may be read-only views of the transport's buffer.
             if step.dead_req_ids:
                 (rows,) = self._dead.get(step.dead_req_ids, lambda b: (pool.rows(b),))
-                pool.evict_rows(rows, step.dead_indptr, step.dead_idx)
+                pool.evict_rows(rows, owned(step.dead_indptr), owned(step.dead_idx))
             if step.moves is not None:
-                m = step.moves
+                m = step.moves.received()
                 self._pending[m.batch_id] = m
                 self._acks.submitted(m.batch_id)
                 self.executor.submit(m.batch_id, m.src_slots, m.dst_slots)
