@@ -22,9 +22,11 @@ import numpy as np
 def owned(a: np.ndarray) -> np.ndarray:
     """An int64 copy of a received index array that the receiver owns.
 
-    Out of band, a large array arrives as a read-only view of the transport's
-    buffer (vLLM's shared-memory ring), which numba's kernels refuse and
-    which the ring may reuse while the receiver still holds it."""
+    vLLM's message queue sends arrays of 1 MiB or more out of band, and they
+    arrive as views of its buffers: of the shared-memory ring, reused once
+    the message is read (a move batch is held until its copy lands), or of
+    a read-only zmq frame (a message over the ring's chunk, a remote
+    reader), which numba's kernels refuse."""
     return np.array(a, np.int64)
 
 

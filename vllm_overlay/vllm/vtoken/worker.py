@@ -176,7 +176,7 @@ class VTokenWorker:
         step = so.vtoken
         if step is not None:
             # The message's arrays as our own (messages.owned): from another
-            # process they may be read-only views of the transport's buffer.
+            # process they may be views of the transport's buffers.
             if step.dead_req_ids:
                 (rows,) = self._dead.get(step.dead_req_ids, lambda b: (pool.rows(b),))
                 pool.evict_rows(rows, owned(step.dead_indptr), owned(step.dead_idx))
