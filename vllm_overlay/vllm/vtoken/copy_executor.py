@@ -119,13 +119,12 @@ class KVCopyExecutor:
             self._triton = _make_triton_copier(self._caches, block_size)
         # CPU layout: each layer's K and V as NumPy views of their bits, for
         # the compiled copy (kv_copy_cpu.py; numba, imported here only).
-        self._cpu_views: list[tuple[np.ndarray, np.ndarray]] = []
         if layout == "cpu":
             from vllm.vtoken import kv_copy_cpu
 
             self._copy_cpu = kv_copy_cpu.copy_slots
             self._shift = block_shift(blk)
-            self._cpu_views = [kv_copy_cpu.layer_views(c, blk) for c in kv_caches]
+            self._cpu_views = [kv_copy_cpu.layer_views(c) for c in kv_caches]
 
     def warm_up(self) -> None:
         """Compiles the copy kernel at start-up, not in the first compacting
@@ -224,7 +223,7 @@ class KVCopyExecutor:
         return src, dst
 
     def _copy_host(self, src: np.ndarray, dst: np.ndarray) -> None:
-        if self._cpu_views:  # one compiled call a layer
+        if self.layout == "cpu":  # one compiled call a layer
             for key, value in self._cpu_views:
                 self._copy_cpu(key, value, src, dst, self._shift)
         else:  # "triton" layout on CPU tensors (tests)
