@@ -2,9 +2,11 @@
 """The step messages as a worker in another process receives them."""
 
 import pickle
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from vllm.vtoken.messages import MoveBatch, VTokenStep, owned
 from vllm.vtoken.token_table import TokenTablePool
@@ -50,3 +52,72 @@ def test_received_arrays_are_the_workers_own_and_the_kernels_take_them():
     pool.apply_moves(m.req_ids, m.indptr, m.idx, m.dst_slots)
     np.testing.assert_array_equal(pool.live_slots("a"), [0, 9, 10])
     pool.check_integrity()
+
+
+def cpu_worker(num_blocks: int, block_size: int):
+    """A CPU `VTokenWorker` on a two-layer cache, built without an engine:
+    only the config fields its constructor reads."""
+    import vllm.config  # noqa: F401  (before vtoken.config, which it imports)
+    from vllm.vtoken.config import VTokenConfig
+    from vllm.vtoken.worker import VTokenWorker
+
+    config = SimpleNamespace(
+        vtoken_config=VTokenConfig(
+            kv_eviction_policy="streamingllm",
+            kv_budget_tokens=4,
+            kv_eviction_config={"num_sinks": 1},
+        ),
+        cache_config=SimpleNamespace(block_size=block_size),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        model_config=SimpleNamespace(
+            max_model_len=64, get_num_attention_heads=lambda parallel: 2
+        ),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=1
+        ),
+    )
+    caches = [torch.randn(2, num_blocks, 1, block_size, 8) for _ in range(2)]
+    return VTokenWorker(config, caches), caches
+
+
+def test_a_worker_takes_a_transported_step_as_its_own():
+    """`VTokenWorker.begin_step` on a step that came out of band: the dead
+    lists evict, the move batch copies K/V and switches the tokens; with the
+    transport's read-only arrays handed on, the compiled passes refuse them."""
+    worker, caches = cpu_worker(num_blocks=4, block_size=16)
+    worker.pool.add_request("a")
+    worker.pool.append("a", np.arange(5))  # tokens 0-4 in block 0
+    before = [c.clone() for c in caches]
+    step = transported(
+        VTokenStep(
+            dead_req_ids=["a"],
+            dead_indptr=np.array([0, 2], np.int64),
+            dead_idx=np.array([1, 2], np.int64),
+            moves=MoveBatch(
+                batch_id=0,
+                req_ids=["a"],
+                indptr=np.array([0, 2], np.int64),
+                idx=np.array([3, 4], np.int64),
+                src_slots=np.array([3, 4], np.int64),
+                dst_slots=np.array([20, 21], np.int64),  # block 1
+            ),
+        )
+    )
+    assert not step.moves.src_slots.flags.writeable
+    worker.begin_step(
+        SimpleNamespace(
+            finished_req_ids=set(),
+            preempted_req_ids=set(),
+            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=[]),
+            vtoken=step,
+        )
+    )
+    np.testing.assert_array_equal(worker.pool.live_slots("a"), [0, 20, 21])
+    worker.pool.check_integrity()
+    for old, new in zip(before, caches, strict=True):
+        # CPU_ATTN's layout: K [N, H, D, B], V [N, H, B, D] (kv_copy_cpu.py)
+        k_old, k_new = (c[0].view(4, 1, 8, 16) for c in (old, new))
+        for src, dst in ((3, 20), (4, 21)):
+            assert torch.equal(k_new[dst // 16, :, :, dst % 16], k_old[0, :, :, src])
+            assert torch.equal(new[1, dst // 16, :, dst % 16], old[1, 0, :, src])
+    assert worker.end_step().acked_batches == [0]
