@@ -132,3 +132,31 @@ def test_null_at_many_is_null_at_per_request_and_refuses_one_alone(monkeypatch):
         [11, 12, 0],
         [21, 22],
     ]
+
+
+def test_entries_catch_up_only_when_looked_up(monkeypatch):
+    """`get` (the planner's, per planned request) mirrors the ids alone; the
+    id -> entry map catches up at the first lookup, and a block freed or
+    changed in between is seen there, not in a stale map."""
+    monkeypatch.setattr(integrity, "CHECK", False)  # its check builds the map
+    lists = {"a": [block(7), block(3), block(9)]}
+    index = BlockIndex(lists, null_id=0)
+    for extra in (block(4), block(5)):  # decode appends, one at a time
+        lists["a"].append(extra)
+        assert index.get("a").ids.tolist() == [b.block_id for b in lists["a"]]
+    assert index.get("a").at_upto == 0 and index.get("a").at == {}
+    # Freed at entry 1 before any lookup: the mirror says null there.
+    out, _, refused = index.null_at_many(["a"], [0], [1], [3], NULL)
+    assert [b.block_id for b in out] == [3] and refused == []
+    assert index.find("a", [3, 9, 5]) == [2, 4]
+    assert index.get("a").at == {7: 0, 9: 2, 4: 3, 5: 4}
+    # Appended, then changed behind the index's back past what `at` holds:
+    # the freeing notices the mirror disagrees and indexes afresh.
+    lists["a"] += [block(6), block(8)]
+    index.get("a")
+    lists["a"][5], lists["a"][6] = lists["a"][6], lists["a"][5]
+    out, _, refused = index.null_at_many(["a"], [0], [5], [8], NULL)
+    assert [b.block_id for b in out] == [8] and refused == []
+    monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
+    assert index.get("a").ids.tolist() == [7, 0, 9, 4, 5, 0, 6]
+    assert index.find("a", [6, 8]) == [6]

@@ -12,6 +12,10 @@ planner reads ids with NumPy::
     ids                 [ 7,  3,    0,  4]      null is block 0
     at                  {7: 0, 3: 1, 4: 3}
 
+The planner reads `ids` of every request it plans, each plan; `at` is only
+for lookups (freeing a source, swapping in a fresh block), so it catches up
+with `ids` at the first lookup rather than on every append.
+
 vLLM only appends to a running request's list (the index catches up with the
 new tail when next asked) and makes a new list when a preempted request
 resumes (a new index); every other change goes through `replace` (or
@@ -36,16 +40,21 @@ _ID = attrgetter("block_id")
 
 
 class Positions:
-    """One list's index: `ids` [n] by entry, `at` block id -> entry (non-null),
-    both for the entries [0, n) seen. `cached_upto`: vLLM caches no entry at
-    or past it (and so shares none, sharing goes through the cache), or None
-    while unknown."""
+    """One list's index: `ids` [n] by entry (a view of `buf`, which grows by
+    doubling), `at` block id -> entry (non-null) for the entries [0, at_upto),
+    both for the entries [0, n) seen. `at` catches up only when a lookup
+    needs it (`BlockIndex.entries`): the planner reads `ids` of every planned
+    request each plan, and a dict update per appended block cost it most of
+    its per-request time. `cached_upto`: vLLM caches no entry at or past it
+    (and so shares none, sharing goes through the cache), or None while
+    unknown."""
 
-    __slots__ = ("at", "blocks", "cached_upto", "ids")
+    __slots__ = ("at", "at_upto", "blocks", "buf", "cached_upto", "ids")
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self.blocks, self.at = blocks, {}
-        self.ids = np.zeros(0, dtype=np.int64)
+        self.blocks, self.at, self.at_upto = blocks, {}, 0
+        self.buf = np.zeros(max(len(blocks), 4), dtype=np.int64)
+        self.ids = self.buf[:0]
         self.cached_upto: int | None = None
 
 
@@ -70,19 +79,33 @@ class BlockIndex:
             if old is not None and old.blocks is blocks:
                 index.cached_upto = old.cached_upto
             self._index[rid] = index
-        done = index.ids.size
-        if done != len(blocks):
-            assert done < len(blocks), f"{rid}: a positional list shrank"
-            new = np.fromiter(map(_ID, blocks[done:]), np.int64, len(blocks) - done)
-            index.ids = np.concatenate([index.ids, new])
-            index.at.update(zip(new.tolist(), range(done, len(blocks)), strict=True))
-            index.at.pop(self._null_id, None)
+        done, n = index.ids.size, len(blocks)
+        if done != n:
+            assert done < n, f"{rid}: a positional list shrank"
+            if n > index.buf.size:
+                buf = np.zeros(2 * n, dtype=np.int64)
+                buf[:done] = index.ids
+                index.buf = buf
+            if n - done == 1:  # a decode's append: a tenth of the list's cost
+                index.buf[done] = blocks[done].block_id
+            else:
+                index.buf[done:n] = list(map(_ID, blocks[done:]))
+            index.ids = index.buf[:n]
         if integrity.CHECK:
             ids = [b.block_id for b in blocks]
             assert index.ids.tolist() == ids, f"{rid}: block ids out of date"
             held = {b: i for i, b in enumerate(ids) if b != self._null_id}
-            assert index.at == held, f"{rid}: block entries out of date"
+            assert self.entries(index) == held, f"{rid}: block entries out of date"
         return index
+
+    def entries(self, index: Positions) -> dict[int, int]:
+        """`index.at`, caught up with its `ids`: block id -> entry."""
+        k, n = index.at_upto, index.ids.size
+        if k != n:
+            index.at.update(zip(index.ids[k:n].tolist(), range(k, n), strict=True))
+            index.at.pop(self._null_id, None)
+            index.at_upto = n
+        return index.at
 
     def find(self, rid: str, ids: Iterable[int]) -> list[int]:
         """Ascending entries of `rid`'s list holding blocks among `ids` (a
@@ -164,7 +187,11 @@ class BlockIndex:
             if unshared_only and block.ref_cnt != 1:
                 continue
             if index is not None and e < index.ids.size:  # seen: keep it so
-                if index.at.pop(block.block_id, None) != e:  # changed unseen
+                if e < index.at_upto:
+                    seen = index.at.pop(block.block_id, None) == e
+                else:  # past the entries `at` holds yet
+                    seen = index.ids[e] == block.block_id
+                if not seen:  # changed unseen
                     del self._index[rid]  # indexed afresh when next asked
                     index = None
                 else:
@@ -179,7 +206,8 @@ class BlockIndex:
         blocks = self._lists[rid]
         for fresh in (False, True):
             index = self.get(rid, fresh)
-            found = [(i, b) for b in ids if (i := index.at.get(b)) is not None]
+            at = self.entries(index)
+            found = [(i, b) for b in ids if (i := at.get(b)) is not None]
             if all(blocks[i].block_id == b for i, b in found):
                 break  # else the list changed unseen: index it afresh
         return index, sorted(i for i, _ in found)
@@ -188,11 +216,12 @@ class BlockIndex:
         """Entry `entry` of `rid`'s list becomes `block` (null, fresh, or the
         evacuated source an undone evacuation puts back)."""
         index, blocks = self.get(rid), self._lists[rid]
-        del index.at[blocks[entry].block_id]
+        at = self.entries(index)
+        del at[blocks[entry].block_id]
         blocks[entry] = block
         index.ids[entry] = block.block_id
         if block.block_id != self._null_id:
-            index.at[block.block_id] = entry
+            at[block.block_id] = entry
 
     def stop_caching(self, rid: str, num_cached: int) -> None:
         """vLLM will cache no more of `rid`'s current list: `num_cached`
