@@ -80,7 +80,9 @@ def bind(kv, vt, caching):
     )
     entry_of = {b: i for r in "ABC" for i, b in enumerate(ids[r][:3])}
     recs = [vt._reqs[r] for r in "ABC"]
-    batch = vt.reclaimer._bind(plan, recs, list("ABC"), entry_of)
+    hashed = [b for b in entry_of if kv.block_pool.blocks[b].block_hash is not None]
+    cached_ids = np.array(hashed, np.int64)  # what the plan reads
+    batch = vt.reclaimer._bind(plan, recs, list("ABC"), entry_of, cached_ids)
     return ids, batch
 
 

@@ -451,3 +451,46 @@ def test_oracle_plan_pack_apply_equals_dense_gather_of_kept_tokens():
         np.testing.assert_array_equal(kv[pool.live_slots(r)], dense[r])
     assert pool.block_live[[2, 5, 7]].tolist() == [0, 3, 0]
     pool.check_integrity()
+
+
+def candidates_reference(ids, counts, head_len, code, block_live, null_id, B):
+    """BlockReclaimer.plan's selection of candidate blocks as NumPy passes
+    (the code the compiled `candidate_blocks` replaced)."""
+    starts = np.cumsum(counts) - counts
+    head_at = np.concatenate(
+        [np.arange(s, s + h) for s, h in zip(starts, head_len, strict=True)]
+        + [np.zeros(0, np.int64)]
+    )
+    shared, cached = np.zeros(ids.size, bool), np.zeros(ids.size, bool)
+    shared[head_at], cached[head_at] = code >> 1 != 1, code & 1
+    live = block_live[ids]
+    keep = np.flatnonzero((ids != null_id) & ~shared & (live < B))
+    req = np.repeat(np.arange(counts.size), counts)[keep]
+    pos = keep - starts[req]
+    is_cached = cached[keep]
+    prio = np.where(is_cached, 1 + pos.max(initial=0) - pos, 0)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(req, minlength=counts.size))])
+    return indptr, ids[keep], live[keep], is_cached, pos, prio
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidate_blocks_match_the_numpy_selection(seed):
+    """One pass picks the blocks a plan may use: not null, full or shared;
+    each one's entry, whether it is cached, its destination priority."""
+    from vllm.vtoken.planner_kernels import candidate_blocks
+
+    rng = np.random.default_rng(seed)
+    num_blocks, null_id, num_req = 64, 0, int(rng.integers(0, 9))
+    block_live = rng.integers(0, B + 1, num_blocks).astype(np.int32)
+    counts = rng.integers(0, 8, num_req).astype(np.int64)
+    head_len = np.minimum(counts, rng.integers(0, 8, num_req))
+    # Distinct blocks per list but null ones, which repeat.
+    ids = rng.permutation(np.arange(1, num_blocks))[: counts.sum()].astype(np.int64)
+    ids[rng.random(ids.size) < 0.2] = null_id
+    ref_cnt = rng.choice([1, 1, 1, 2], int(head_len.sum()))
+    code = ref_cnt * 2 + rng.integers(0, 2, ref_cnt.size)
+    got = candidate_blocks(ids, counts, head_len, code, block_live, null_id, B)
+    want = candidates_reference(ids, counts, head_len, code, block_live, null_id, B)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert got[1].dtype == np.int32 and got[3].dtype == bool

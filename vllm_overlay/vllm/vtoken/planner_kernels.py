@@ -37,6 +37,49 @@ def _sort_small(cand, key, c, width, count, out):
 
 
 @numba.njit(
+    numba.types.Tuple((_i64, _i32, _i64, numba.boolean[::1], _i64, _i64))(
+        _i64, _i64, _i64, _i64, _i32, numba.int64, numba.int64
+    ),
+    **_jit,
+)
+def candidate_blocks(ids, counts, head_len, code, block_live, null_id, block_size):
+    """(req_indptr, block_ids, live, cached, entry, prio): the blocks a plan
+    may take tokens out of or put them into (BlockReclaimer.plan).
+
+    Request r's full blocks are entries [0, counts[r]) of its list, `ids`
+    holding them request after request; its first head_len[r] entries are
+    the ones vLLM may have cached, `code` = ref_cnt * 2 + (hash set) of each
+    (read off vLLM's objects, request after request). Kept: not null, not
+    full (live < block_size), not shared (a head entry's ref_cnt is 1). Per
+    kept block: its `entry` in the list, `cached` (a head entry with a hash)
+    and the destination priority `prio`: 0 uncached, else 1 + (the largest
+    kept entry) - entry, so the end of a hash chain is written first."""
+    num_req, n = counts.size, ids.size
+    req_indptr = np.zeros(num_req + 1, np.int64)
+    out_ids, live = np.empty(n, np.int32), np.empty(n, np.int64)
+    cached, entry = np.zeros(n, np.bool_), np.empty(n, np.int64)
+    j = h = k = last = 0
+    for r in range(num_req):
+        for e in range(counts[r]):
+            b = ids[j]
+            j += 1
+            c = code[h + e] if e < head_len[r] else 2  # past the head: unshared
+            n_live = block_live[b]
+            if b != null_id and c >> 1 == 1 and n_live < block_size:
+                out_ids[k], live[k], entry[k] = b, n_live, e
+                cached[k] = c & 1
+                last = max(last, e)
+                k += 1
+        h += head_len[r]
+        req_indptr[r + 1] = k
+    prio = np.zeros(k, np.int64)
+    for q in range(k):
+        if cached[q]:
+            prio[q] = 1 + last - entry[q]
+    return req_indptr, out_ids[:k], live[:k], cached[:k], entry[:k], prio
+
+
+@numba.njit(
     numba.types.Tuple((_i64, _i64, _i32, _i64, _i32))(
         _i64, _i32, _i64, _i64, numba.boolean, numba.int64, numba.int64
     ),

@@ -93,8 +93,9 @@ class BlockReclaimer:
         threshold: float,
         counters: VTokenCounters,
     ) -> None:
-        import vllm.vtoken.planner_kernels  # noqa: F401 (numba: load it now)
+        from vllm.vtoken import planner_kernels  # numba: vToken on only, load it now
 
+        self._candidate_blocks = planner_kernels.candidate_blocks
         self.pool = pool
         self.block_size = pool.block_size
         self.block_pool = kv_cache_manager.block_pool
@@ -345,9 +346,6 @@ class BlockReclaimer:
         code = np.fromiter(
             [b.ref_cnt * 2 + (b.block_hash is not None) for b in head], np.int64
         )
-        at = ranges(np.cumsum(counts) - counts, list(map(len, heads)))
-        shared, cached = np.zeros(ids.size, bool), np.zeros(ids.size, bool)
-        shared[at], cached[at] = code >> 1 != 1, code & 1
         if integrity.CHECK:  # past cached_upto: neither shared nor cached
             for rid, h, n in zip(rids, heads, counts.tolist(), strict=True):
                 rest = self.positional(rid)[len(h) : n]
@@ -355,21 +353,19 @@ class BlockReclaimer:
                     b.is_null or (b.ref_cnt == 1 and b.block_hash is None) for b in rest
                 ), f"{rid}: a block past cached_upto is shared or cached"
         # Full blocks are neither sources nor destinations and add no holes;
-        # shared ones are never moved.
-        live = self.pool.block_live[ids]
-        keep = np.flatnonzero((ids != self._null_id) & ~shared & (live < B))
-        is_cached = cached[keep]
-        req = np.repeat(np.arange(len(rids)), counts)[keep]
-        pos = keep - (np.cumsum(counts) - counts)[req]
+        # shared ones are never moved. Uncached holes are filled first, then
+        # cached ones from the chain's end (prio). One compiled pass.
+        req_indptr, block_ids, live, is_cached, pos, prio = self._candidate_blocks(
+            ids, counts, np.fromiter(map(len, heads), np.int64, len(heads)), code,
+            self.pool.block_live, self._null_id, B,
+        )  # fmt: skip
         common = dict(
-            req_indptr=indptr_of(np.bincount(req, minlength=len(rids))),
-            block_ids=ids[keep].astype(np.int32),
-            block_live=live[keep],
+            req_indptr=req_indptr,
+            block_ids=block_ids,
+            block_live=live,
             block_size=B,
             threshold=self.threshold,
         )
-        # Uncached holes first, then cached ones from the chain's end.
-        prio = np.where(is_cached, 1 + pos.max(initial=0) - pos, 0)
         plan = None
         if is_cached.any():
             plan = plan_around_cache(cached=is_cached, **common)
@@ -388,8 +384,8 @@ class BlockReclaimer:
             plan = plan_blocks(dst_priority=prio, **common)
         if len(plan.req_index) == 0:
             return None
-        entry_of = dict(zip(ids[keep].tolist(), pos.tolist(), strict=True))
-        cached_ids = ids[keep][is_cached]
+        entry_of = dict(zip(block_ids.tolist(), pos.tolist(), strict=True))
+        cached_ids = block_ids[is_cached]
         return self._bind(plan, [recs[k] for k in chosen], rids, entry_of, cached_ids)
 
     def _bind(
@@ -398,12 +394,12 @@ class BlockReclaimer:
         recs: list[RequestState],
         rids: list[str],
         entry_of: dict[int, int],
-        cached_ids: np.ndarray | None = None,
+        cached_ids: np.ndarray,
     ) -> MoveBatch | None:
         """Turn a block plan into slot moves; free blocks that need none.
         `entry_of`: each planned block's entry in its request's list;
-        `cached_ids`: the planned blocks the prefix cache holds (None: not
-        known, every destination is taken out of the cache)."""
+        `cached_ids`: the planned blocks the prefix cache holds (their hashes
+        read by the plan)."""
         B = self.block_size
         batch_id = self._next_batch_id
         fresh = self.block_pool.get_new_blocks(int(plan.num_fresh.sum()))
@@ -427,9 +423,7 @@ class BlockReclaimer:
         # Only the cached ones: the plan read each planned block's hash, a
         # fresh block left the cache when allocated, and evict_blocks costs
         # vLLM's Python per block (~1/3 of a 64-request plan otherwise).
-        cached = (
-            dst_ids if cached_ids is None else dst_ids[np.isin(dst_ids, cached_ids)]
-        )
+        cached = dst_ids[np.isin(dst_ids, cached_ids)]
         assert not integrity.CHECK or all(
             self.block_pool.blocks[b].block_hash is None
             for b in set(dst_ids.tolist()) - set(cached.tolist())
@@ -483,7 +477,12 @@ class BlockReclaimer:
         if fresh:  # cached sources come first in a plan around the cache
             for k in np.flatnonzero(np.diff(moves.fresh_indptr)).tolist():
                 self._swap_in(out_rids[k], *moves.sources(k))
-        self.counters.evacuated_blocks += sum(b.block_hash is not None for b in src)
+        # Sources are never destinations: their hashes are still the plan's.
+        evacuated = int(np.isin(src_ids, cached_ids).sum())
+        assert not integrity.CHECK or evacuated == sum(
+            b.block_hash is not None for b in src
+        ), "a source's hash changed since the plan read it"
+        self.counters.evacuated_blocks += evacuated
         self._busy.update(
             zip(chain(src_ids.tolist(), dst_ids.tolist()), repeat(batch_id))
         )
