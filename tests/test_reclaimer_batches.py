@@ -121,11 +121,11 @@ def test_a_batch_of_three_requests_binds_and_releases_each_ones_part(caching, dr
         k, d = m.index[drop], m.dst_indptr
         src = m.src_ids[m.src_indptr[k] : m.src_indptr[k + 1]].tolist()
         dst = m.dst_ids[d[k] : d[k + 1]].tolist()
-        assert not any(b in vt.reclaimer._busy for b in src + dst)
+        assert not set(vt.reclaimer.busy_blocks().tolist()) & set(src + dst)
         vt.check_integrity()
     vt.on_output(VTokenWorkerOutput(acked_batches=[batch.batch_id]))
     vt.check_integrity()
-    assert not vt.reclaimer._busy and not vt.reclaimer._inflight
+    assert not vt.reclaimer.busy_blocks().size and not vt.reclaimer._inflight
     for r in "BC":
         if r != drop:
             now = [b.block_id for b in vt.reclaimer.positional(r)]

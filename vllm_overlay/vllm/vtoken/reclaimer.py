@@ -30,9 +30,9 @@ pass over a request's list in Python.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
+from itertools import chain, compress
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -107,7 +107,8 @@ class BlockReclaimer:
         self.threshold = threshold
         self.counters = counters
         self._inflight: dict[int, InFlightMoves] = {}  # batch_id -> its moves
-        self._busy: dict[int, int] = {}  # block_id -> batch_id copying it
+        # By block id: the batch copying into or out of it, -1 if none.
+        self._busy = np.full(pool.num_blocks, -1, np.int64)
         self._next_batch_id = 0
         self._null_id = self.block_pool.null_block.block_id
         self.blocks = BlockIndex(self.req_to_blocks, self._null_id)
@@ -142,9 +143,8 @@ class BlockReclaimer:
         seg, blk, entry = pool.emptied_blocks(rows, seg, dead)
         if not seg.size:
             return
-        if self._busy:  # a copy in flight may fill it yet (or frees it)
-            busy = self._busy.__contains__
-            idle = ~np.fromiter(map(busy, blk.tolist()), bool, blk.size)
+        if self._inflight:  # a copy in flight may fill it yet (or frees it)
+            idle = self._busy[blk] < 0
             if not idle.any():
                 return
             seg, blk, entry = seg[idle], blk[idle], entry[idle]
@@ -189,7 +189,7 @@ class BlockReclaimer:
     def pop_batch(self, batch_id: int) -> InFlightMoves:
         """An acknowledged batch: none of its blocks is busy any more."""
         moves = self._inflight.pop(batch_id)
-        self._unbusy(batch_id, chain(moves.src_ids.tolist(), moves.dst_ids.tolist()))
+        self._unbusy(batch_id, np.concatenate([moves.src_ids, moves.dst_ids]))
         return moves
 
     def release_sources(
@@ -259,9 +259,9 @@ class BlockReclaimer:
         moves = self._inflight[rec.move_batch]
         k = moves.index[rid]
         src, fresh = moves.sources(k)
-        d = moves.dst_indptr
-        dst = moves.dst_ids[d[k] : d[k + 1]].tolist()
-        self._unbusy(rec.move_batch, chain((b.block_id for b in src), dst))
+        s, d = moves.src_indptr, moves.dst_indptr
+        ids = moves.src_ids[s[k] : s[k + 1]], moves.dst_ids[d[k] : d[k + 1]]
+        self._unbusy(rec.move_batch, np.concatenate(ids))
         for new, source in zip(fresh, src, strict=False):
             (i,) = self.blocks.find(rid, [new.block_id])
             self.blocks.replace(rid, i, source)
@@ -279,11 +279,29 @@ class BlockReclaimer:
                     out[rid] = [b.block_id for b in src[: len(fresh)]]
         return out
 
-    def _unbusy(self, batch_id: int, block_ids: Iterable[int]) -> None:
-        busy = self._busy
-        for b in block_ids:
-            if busy.get(b) == batch_id:
-                del busy[b]
+    def busy_blocks(self) -> np.ndarray:
+        """The ids of the blocks a copy in flight reads or writes."""
+        return np.flatnonzero(self._busy >= 0)
+
+    def check_busy(self, reqs: Mapping[str, RequestState]) -> None:
+        """A block is busy, with its batch's id, exactly while the part of a
+        batch in flight that a request still waits for reads or writes it."""
+        want = {}
+        for batch_id, moves in self._inflight.items():
+            s, d = moves.src_indptr, moves.dst_indptr
+            for rid, k in moves.index.items():
+                rec = reqs.get(rid)
+                if rec is not None and rec.move_batch == batch_id:
+                    ids = chain(moves.src_ids[s[k] : s[k + 1]].tolist(),
+                                moves.dst_ids[d[k] : d[k + 1]].tolist())  # fmt: skip
+                    want.update(dict.fromkeys(ids, batch_id))
+        busy = self.busy_blocks()
+        got = dict(zip(busy.tolist(), self._busy[busy].tolist(), strict=True))
+        assert got == want, f"busy blocks {got} are not the batches' {want}"
+
+    def _unbusy(self, batch_id: int, block_ids: np.ndarray) -> None:
+        mine = block_ids[self._busy[block_ids] == batch_id]
+        self._busy[mine] = -1
 
     def plan(
         self,
@@ -487,9 +505,8 @@ class BlockReclaimer:
             b.block_hash is not None for b in src
         ), "a source's hash changed since the plan read it"
         self.counters.evacuated_blocks += evacuated
-        self._busy.update(
-            zip(chain(src_ids.tolist(), dst_ids.tolist()), repeat(batch_id))
-        )
+        self._busy[src_ids] = batch_id
+        self._busy[dst_ids] = batch_id
         self._inflight[batch_id] = moves
         self._next_batch_id += 1
         return moves.batch

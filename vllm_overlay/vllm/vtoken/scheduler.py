@@ -448,6 +448,7 @@ class VTokenScheduler:
             self.reclaimer.req_to_blocks,
             self.reclaimer.detached(self._reqs),
         )
+        self.reclaimer.check_busy(self._reqs)
 
 
 _COMPUTED = attrgetter("num_computed_tokens")
