@@ -21,11 +21,10 @@ def transported(obj):
     return pickle.loads(data, buffers=frames)
 
 
-def test_received_arrays_are_the_workers_own_and_the_kernels_take_them():
-    pool = TokenTablePool(8, 4)
-    pool.add_request("a")
-    pool.append("a", np.array([0, 1, 2, 3, 4]))
-    step = transported(
+def transported_step(dst_slots: list[int]) -> VTokenStep:
+    """Request "a"'s tokens 1 and 2 die, 3 and 4 move from slots 3 and 4 to
+    `dst_slots`: a step as a worker in another process gets it."""
+    return transported(
         VTokenStep(
             dead_req_ids=["a"],
             dead_indptr=np.array([0, 2], np.int64),
@@ -36,10 +35,17 @@ def test_received_arrays_are_the_workers_own_and_the_kernels_take_them():
                 indptr=np.array([0, 2], np.int64),
                 idx=np.array([3, 4], np.int64),
                 src_slots=np.array([3, 4], np.int64),
-                dst_slots=np.array([9, 10], np.int64),
+                dst_slots=np.array(dst_slots, np.int64),
             ),
         )
     )
+
+
+def test_received_arrays_are_the_workers_own_and_the_kernels_take_them():
+    pool = TokenTablePool(8, 4)
+    pool.add_request("a")
+    pool.append("a", np.array([0, 1, 2, 3, 4]))
+    step = transported_step(dst_slots=[9, 10])
     assert not step.dead_idx.flags.writeable  # what a worker gets
     rows = pool.rows(["a"])
     with pytest.raises(TypeError):  # numba refuses a read-only array
@@ -88,21 +94,7 @@ def test_a_worker_takes_a_transported_step_as_its_own():
     worker.pool.add_request("a")
     worker.pool.append("a", np.arange(5))  # tokens 0-4 in block 0
     before = [c.clone() for c in caches]
-    step = transported(
-        VTokenStep(
-            dead_req_ids=["a"],
-            dead_indptr=np.array([0, 2], np.int64),
-            dead_idx=np.array([1, 2], np.int64),
-            moves=MoveBatch(
-                batch_id=0,
-                req_ids=["a"],
-                indptr=np.array([0, 2], np.int64),
-                idx=np.array([3, 4], np.int64),
-                src_slots=np.array([3, 4], np.int64),
-                dst_slots=np.array([20, 21], np.int64),  # block 1
-            ),
-        )
-    )
+    step = transported_step(dst_slots=[20, 21])  # into block 1
     assert not step.moves.src_slots.flags.writeable
     worker.begin_step(
         SimpleNamespace(

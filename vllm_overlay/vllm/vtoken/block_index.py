@@ -86,7 +86,7 @@ class BlockIndex:
                 buf = np.zeros(2 * n, dtype=np.int64)
                 buf[:done] = index.ids
                 index.buf = buf
-            if n - done == 1:  # a decode's append: a tenth of the list's cost
+            if n - done == 1:  # one block (decode): a fifth of the list path
                 index.buf[done] = blocks[done].block_id
             else:
                 index.buf[done:n] = list(map(_ID, blocks[done:]))
