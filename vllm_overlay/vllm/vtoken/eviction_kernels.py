@@ -136,54 +136,57 @@ def evict_lowest(
         while evictable < n and view[evictable] < last:
             evictable += 1
         b = min(b, evictable)
-        srow = score_rows[i] if key_kind == 0 or key_kind == 3 else -1
-        sbase = score_start[srow] if srow >= 0 else 0
-        scap = score_cap[srow] if srow >= 0 else 0
-        arow = age_rows[i] if key_kind == 3 else -1
-        nan = 0
-        for e in range(a, b):
-            t = view[e]
-            if key_kind == 0:
-                key[e] = acc[sbase + t] if t < scap else 0.0
-            elif key_kind == 1:
-                key[e] = np.float64(t)
-            elif key_kind == 2:
-                key[e] = _hash_uniform(seeds[i], t, view[n - 1])
-            else:
-                score = np.float64(acc[sbase + t]) if t < scap else 0.0
-                age = age_step[arow] - born[age_start[arow] + t] + 1
-                key[e] = _unimportance(score, age, window, seen_at)
-            nan += np.isnan(key[e])
-            taken[e] = False
         first, lo = min(k, max(b - a, 0)), m
-        if first <= _FEW:  # k scans (_before: NaN after every number)
-            for _ in range(first):
-                best = -1
-                for e in range(a, b):
-                    if not taken[e] and (best < 0 or _before(key[e], key[best])):
-                        best = e
-                taken[best] = True
-                out[m] = view[best]
+        if key_kind == 1:  # the logical index: the candidates ascend already
+            for e in range(a, a + first):
+                out[m] = view[e]
                 m += 1
-        else:  # a stable sort of the real keys, then the NaN ones in order
-            real = 0
+        else:
+            srow = score_rows[i] if key_kind == 0 or key_kind == 3 else -1
+            sbase = score_start[srow] if srow >= 0 else 0
+            scap = score_cap[srow] if srow >= 0 else 0
+            arow = age_rows[i] if key_kind == 3 else -1
+            nan = 0
             for e in range(a, b):
-                if not np.isnan(key[e]):
-                    cand[real] = e
-                    real += 1
-            order = np.argsort(key[cand[:real]], kind="mergesort")
-            q = 0
-            while q < first and q < real:
-                out[m] = view[cand[order[q]]]
-                m += 1
-                q += 1
-            for e in range(a, b if nan else a):
-                if q >= first:
-                    break
-                if np.isnan(key[e]):
-                    out[m] = view[e]
+                t = view[e]
+                if key_kind == 0:
+                    key[e] = acc[sbase + t] if t < scap else 0.0
+                elif key_kind == 2:
+                    key[e] = _hash_uniform(seeds[i], t, view[n - 1])
+                else:
+                    score = np.float64(acc[sbase + t]) if t < scap else 0.0
+                    age = age_step[arow] - born[age_start[arow] + t] + 1
+                    key[e] = _unimportance(score, age, window, seen_at)
+                nan += np.isnan(key[e])
+                taken[e] = False
+            if first <= _FEW:  # k scans (_before: NaN after every number)
+                for _ in range(first):
+                    best = -1
+                    for e in range(a, b):
+                        if not taken[e] and (best < 0 or _before(key[e], key[best])):
+                            best = e
+                    taken[best] = True
+                    out[m] = view[best]
+                    m += 1
+            else:  # a stable sort of the real keys, then the NaN ones in order
+                real = 0
+                for e in range(a, b):
+                    if not np.isnan(key[e]):
+                        cand[real] = e
+                        real += 1
+                order = np.argsort(key[cand[:real]], kind="mergesort")
+                q = 0
+                while q < first and q < real:
+                    out[m] = view[cand[order[q]]]
                     m += 1
                     q += 1
+                for e in range(a, b if nan else a):
+                    if q >= first:
+                        break
+                    if np.isnan(key[e]):
+                        out[m] = view[e]
+                        m += 1
+                        q += 1
         left = k - first  # then the protected evictable ones, oldest first
         for e in range(evictable):
             if left == 0:
