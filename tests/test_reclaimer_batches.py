@@ -82,7 +82,8 @@ def bind(kv, vt, caching):
     recs = [vt._reqs[r] for r in "ABC"]
     hashed = [b for b in entry_of if kv.block_pool.blocks[b].block_hash is not None]
     cached_ids = np.array(hashed, np.int64)  # what the plan reads
-    batch = vt.reclaimer._bind(plan, recs, list("ABC"), entry_of, cached_ids)
+    rows = vt.pool.rows(list("ABC"))
+    batch = vt.reclaimer._bind(plan, recs, list("ABC"), rows, entry_of, cached_ids)
     return ids, batch
 
 

@@ -491,7 +491,10 @@ def test_a_plan_whose_sources_hold_no_live_token_frees_them_without_moves():
     hashed = [b for b in entry_of if kv.block_pool.blocks[b].block_hash is not None]
     cached_ids = np.array(hashed, np.int64)  # what the plan reads
     assert (
-        vt.reclaimer._bind(plan, [vt._reqs["A"]], ["A"], entry_of, cached_ids) is None
+        vt.reclaimer._bind(
+            plan, [vt._reqs["A"]], ["A"], vt.pool.rows(["A"]), entry_of, cached_ids
+        )
+        is None
     )
     assert vt.reclaimer.positional("A")[1].is_null
     assert kv.block_pool.get_num_free_blocks() == free + 1

@@ -355,7 +355,7 @@ class BlockReclaimer:
             # one: a block's reference count and hash live on its object.
             upto = n if index.cached_upto is None else index.cached_upto
             upto = upto if self._caching else 0
-            heads.append(self.positional(rid)[: min(upto, n)])
+            heads.append(index.blocks[: min(upto, n)])  # vLLM's list
         if not rids:
             return None
         counts = np.fromiter(map(len, ids), np.int64, len(ids))
@@ -404,25 +404,28 @@ class BlockReclaimer:
             return None
         entry_of = dict(zip(block_ids.tolist(), pos.tolist(), strict=True))
         cached_ids = block_ids[is_cached]
-        return self._bind(plan, [recs[k] for k in chosen], rids, entry_of, cached_ids)
+        return self._bind(
+            plan, [recs[k] for k in chosen], rids, rows[chosen], entry_of, cached_ids
+        )
 
     def _bind(
         self,
         plan: BlockPlan,
         recs: list[RequestState],
         rids: list[str],
+        rows: np.ndarray,
         entry_of: dict[int, int],
         cached_ids: np.ndarray,
     ) -> MoveBatch | None:
         """Turn a block plan into slot moves; free blocks that need none.
-        `entry_of`: each planned block's entry in its request's list;
-        `cached_ids`: the planned blocks the prefix cache holds (their hashes
-        read by the plan)."""
+        `rows`: the planned requests' Token Table rows; `entry_of`: each
+        planned block's entry in its request's list; `cached_ids`: the planned
+        blocks the prefix cache holds (their hashes read by the plan)."""
         B = self.block_size
         batch_id = self._next_batch_id
         fresh = self.block_pool.get_new_blocks(int(plan.num_fresh.sum()))
         # The live tokens of every planned request at once (Token Table rows).
-        seg, idx, slot = self.pool.live_tokens(self.pool.rows(rids))
+        seg, idx, slot = self.pool.live_tokens(rows)
         m = pack_requests(
             plan,
             live_indptr=indptr_of(np.bincount(seg, minlength=len(rids))),
