@@ -94,3 +94,25 @@ def test_random_evicts_from_an_empty_batch_without_error():
         small_batch([0, 0], []), np.array([1, 1])
     )
     assert counts.tolist() == [0, 0] and idx.size == 0
+
+
+def test_arrival_steps_count_each_request_s_own_steps():
+    """ArrivalSteps: a request counts a step only when it brings tokens, a
+    token's age is the steps since it arrived plus one, and a region grows
+    past its first 16 entries (RowArena.reserve) with every step kept."""
+    born = selection.ArrivalSteps()
+    born.add(["a", "b"], np.array([20, 3]))  # both: step 1
+    born.add(["a", "b"], np.array([1, 0]))  # a: step 2 (b brings none)
+    born.add(["b", "a"], np.array([30, 1]))  # b: step 2 (grows), a: step 3
+    idx = {"a": [0, 19, 20, 21], "b": [0, 2, 3, 32]}
+    view = base.BatchView(
+        ["a", "b"],
+        np.array([0, 4, 8]),
+        np.repeat([0, 1], 4),
+        np.array(idx["a"] + idx["b"]),
+        np.ones(8, bool),
+        None,
+        np.zeros(2, np.uint64),
+        [None, None],
+    )
+    assert born.age(view).tolist() == [3, 3, 2, 1, 2, 2, 1, 1]

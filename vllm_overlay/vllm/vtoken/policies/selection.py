@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm.vtoken.arena import BatchMemo, RowArena, segments
+from vllm.vtoken.arena import BatchMemo, RowArena
 from vllm.vtoken.policies.base import BatchView
 
 
@@ -57,13 +57,16 @@ class ArrivalSteps:
     request's steps by its `sync_batch` calls (for age-based policies)."""
 
     def __init__(self) -> None:
+        from vllm.vtoken.policies.selection_kernels import add_arrivals  # numba
+
         self._a = RowArena({"born": (np.int64, 0)}, ("step", "n"))
+        self._add = add_arrivals
         # The last batch `add` and `arena_of` saw.
         self._added, self._read = BatchMemo(self._a), BatchMemo(self._a)
 
     def add(self, req_ids: list[str], num_new: np.ndarray) -> None:
         """Request req_ids[k] starts a step with num_new[k] new tokens."""
-        num_new = np.asarray(num_new, np.int64)
+        num_new = np.ascontiguousarray(num_new, np.int64)
         ids = req_ids
         if not num_new.all():
             ids = [r for r, n in zip(req_ids, num_new.tolist(), strict=True) if n > 0]
@@ -72,12 +75,17 @@ class ArrivalSteps:
         (rows,) = self._added.get(  # first sight: a row
             ids, lambda ids: (a.rows_adding(ids, lambda i: a.add(ids[i])),)
         )
-        step, n = a.cols["step"], a.cols["n"]
-        a.reserve(rows, n[rows] + num_new)
-        seg, k = segments(num_new)
-        a.data["born"][a.start[rows][seg] + n[rows][seg] + k] = step[rows][seg] + 1
-        step[rows] += 1
-        n[rows] += num_new
+
+        def run():  # one compiled pass (a region too small: nothing changed)
+            c = a.cols
+            return self._add(
+                rows, num_new, a.start, a.cap, c["n"], c["step"], a.data["born"]
+            )
+
+        if not run():
+            a.reserve(rows, a.cols["n"][rows] + num_new)
+            ok = run()
+            assert ok, "add_arrivals: regions reserved, yet short"
 
     def age(self, batch: BatchView) -> np.ndarray:
         """int64 [N]: steps since each token of `batch` arrived, plus one."""

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compiled loop of `selection.lowest_batch`: the k lowest per request (numba).
+"""Compiled loops of selection.py (numba): `lowest_batch`'s k lowest per
+request, and `ArrivalSteps.add`'s step.
 
 Scheduler side, once a step per policy in use. Per request, one pass finds
 its candidates; a few victims (the steady state: a token or two over budget)
@@ -79,3 +80,23 @@ def lowest(indptr, evictable, protected, key, want):
                 left -= 1
         counts[r] = k - left
     return counts, pos[:m]
+
+
+@numba.njit(
+    numba.boolean(_i64, _i64, _i64, _i64, _i64, _i64, _i64), cache=True, nogil=True
+)
+def add_arrivals(rows, num_new, start, cap, n, step, born):
+    """`ArrivalSteps.add`'s step: row rows[i] (distinct) counts a step and its
+    next num_new[i] tokens arrive at it. False, nothing changed, if a region
+    is too small (RowArena.reserve, then again)."""
+    for i in range(rows.size):
+        if n[rows[i]] + num_new[i] > cap[rows[i]]:
+            return False
+    for i in range(rows.size):
+        r = rows[i]
+        step[r] += 1
+        base = start[r] + n[r]
+        for k in range(num_new[i]):
+            born[base + k] = step[r]
+        n[r] += num_new[i]
+    return True
