@@ -126,6 +126,36 @@ def test_a_batch_of_several_policies_evicts_what_each_request_would_alone():
     batch.pool.check_integrity()
 
 
+class BatchRecorder(Recorder):
+    """Records each sync_batch call as it comes (ids, new tokens each)."""
+
+    def _validate(self) -> None:
+        super()._validate()
+        self.batches: list[tuple[list[str], list[int]]] = []
+
+    def sync_batch(self, req_ids, num_new, view=None):
+        self.batches.append((list(req_ids), np.asarray(num_new).tolist()))
+
+
+def test_a_repeated_batch_tells_each_policy_of_its_own_new_tokens():
+    # sync_rows groups a batch by policy once and reuses the groups while the
+    # next steps repeat the batch: each step still tells a policy of exactly
+    # its requests that brought tokens (b opted out, c bringing none once).
+    rt = make_runtime(BatchRecorder(8), budget=8)
+    for k, rid in enumerate("abc"):
+        evict = RequestEviction("none", None) if rid == "b" else None
+        rt.sync_new_tokens(rid, np.array([40 * k]), evict=evict)
+    rt.policy.batches.clear()
+    rows, slot = rt.pool.rows(list("abc")), iter(range(1, 99))
+    for counts in ([2, 2, 2], [1, 1, 0], [1, 1, 1]):
+        slots = [40 * k + next(slot) for k, n in enumerate(counts) for _ in range(n)]
+        rt.sync_rows(list("abc"), np.array(counts), np.array(slots), rows)
+    want = [(["a", "c"], [2, 2]), (["a"], [1]), (["a", "c"], [1, 1])]
+    assert rt.policy.batches == want
+    assert rt.pool.num_tokens("c") == 4 and rt.pool.num_tokens("b") == 5
+    rt.pool.check_integrity()
+
+
 def test_score_policies_read_scores_of_live_tokens():
     seen = {}
 

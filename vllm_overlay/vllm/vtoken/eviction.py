@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -103,6 +104,7 @@ class EvictionRuntime:
         self._by_row = {name: np.zeros(0, np.int64) for name in names}
         self._by_index: list[EvictionPolicy | None] = [None]
         self._syncing = False  # whether a policy in use has sync_batch
+        self._sync_groups = pool.memo()  # sync_rows' last batch, grouped
 
     def sync_new_tokens(
         self,
@@ -168,20 +170,37 @@ class EvictionRuntime:
         num_new = self.pool.num_tokens_rows(rows) - before
         if not num_new.any():
             return
-        pix = self._by_row["pix"][rows]
-        for p in np.unique(pix[num_new > 0]):
+        # The batch's syncing policies, each with its requests: grouped once
+        # for a batch that the next steps repeat (BatchMemo), not every step.
+        (groups,) = self._sync_groups.get(
+            req_ids, lambda ids: (self._sync_groups_of(ids, rows),)
+        )
+        for policy, sel, ids in groups:
+            new, b = (num_new, before) if sel is None else (num_new[sel], before[sel])
+            if not new.all():  # new tokens only (a chunk may bring none)
+                keep = new > 0
+                ids = list(compress(ids, keep.tolist()))
+                new, b = new[keep], b[keep]
+                if not ids:
+                    continue
+            policy.sync_batch(
+                ids, new, lambda k, ids=ids, b=b: self._view(ids[k], b[k], None)
+            )
+
+    def _sync_groups_of(self, req_ids: list[str], rows: np.ndarray) -> list:
+        """sync_rows' groups: (policy, positions in the batch or None for
+        all, their ids) per policy in the batch that hears of new tokens."""
+        pix, groups = self._by_row["pix"][rows], []
+        for p in np.unique(pix).tolist():
             policy = self._by_index[p]
             if policy is None or not _syncs(policy):
                 continue
-            sel = ((pix == p) & (num_new > 0)).nonzero()[0]  # new tokens only
-            ids = (
-                list(req_ids) if sel.size == len(req_ids) else [req_ids[i] for i in sel]
-            )
-            policy.sync_batch(
-                ids,
-                num_new[sel],
-                lambda k, ids=ids, b=before[sel]: self._view(ids[k], b[k], None),
-            )
+            sel = (pix == p).nonzero()[0]
+            if sel.size == len(req_ids):
+                groups.append((policy, None, list(req_ids)))
+            else:
+                groups.append((policy, sel, [req_ids[i] for i in sel.tolist()]))
+        return groups
 
     def enforce_budget(self, req_id: str, num_attended: int) -> np.ndarray:
         """Evicts down to the request's budget if it holds more live tokens.
