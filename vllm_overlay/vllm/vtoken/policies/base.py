@@ -226,8 +226,10 @@ class EvictionPolicy(ABC):
         view: Callable[[int], RequestView] | None = None,
     ) -> None:
         """`sync_new_tokens` for a batch (the step path): request req_ids[k]
-        got num_new[k] new tokens; `view(k)` builds its view. Default: one
-        `sync_new_tokens` call per request with new tokens."""
+        got num_new[k] new tokens; `view(k)` builds its view. Both are the
+        runtime's, read-only (a repeated batch passes the same list on the
+        next steps). Default: one `sync_new_tokens` call per request with
+        new tokens."""
         for k, n in enumerate(num_new):
             if n > 0:
                 self.sync_new_tokens(view(k), int(n))
