@@ -136,17 +136,12 @@ def evict_lowest(
         while evictable < n and view[evictable] < last:
             evictable += 1
         b = min(b, evictable)
-        first, lo = min(k, max(b - a, 0)), m
-        if key_kind == 1:  # the logical index: the candidates ascend already
-            for e in range(a, a + first):
-                out[m] = view[e]
-                m += 1
-        else:
+        first, lo, nan = min(k, max(b - a, 0)), m, 0
+        if key_kind != 1:  # the logical index needs none: the view ascends
             srow = score_rows[i] if key_kind == 0 or key_kind == 3 else -1
             sbase = score_start[srow] if srow >= 0 else 0
             scap = score_cap[srow] if srow >= 0 else 0
             arow = age_rows[i] if key_kind == 3 else -1
-            nan = 0
             for e in range(a, b):
                 t = view[e]
                 if key_kind == 0:
@@ -159,34 +154,38 @@ def evict_lowest(
                     key[e] = _unimportance(score, age, window, seen_at)
                 nan += np.isnan(key[e])
                 taken[e] = False
-            if first <= _FEW:  # k scans (_before: NaN after every number)
-                for _ in range(first):
-                    best = -1
-                    for e in range(a, b):
-                        if not taken[e] and (best < 0 or _before(key[e], key[best])):
-                            best = e
-                    taken[best] = True
-                    out[m] = view[best]
-                    m += 1
-            else:  # a stable sort of the real keys, then the NaN ones in order
-                real = 0
+        if key_kind == 1:  # the lowest keys are the first candidates
+            for e in range(a, a + first):
+                out[m] = view[e]
+                m += 1
+        elif first <= _FEW:  # k scans (_before: NaN after every number)
+            for _ in range(first):
+                best = -1
                 for e in range(a, b):
-                    if not np.isnan(key[e]):
-                        cand[real] = e
-                        real += 1
-                order = np.argsort(key[cand[:real]], kind="mergesort")
-                q = 0
-                while q < first and q < real:
-                    out[m] = view[cand[order[q]]]
+                    if not taken[e] and (best < 0 or _before(key[e], key[best])):
+                        best = e
+                taken[best] = True
+                out[m] = view[best]
+                m += 1
+        else:  # a stable sort of the real keys, then the NaN ones in order
+            real = 0
+            for e in range(a, b):
+                if not np.isnan(key[e]):
+                    cand[real] = e
+                    real += 1
+            order = np.argsort(key[cand[:real]], kind="mergesort")
+            q = 0
+            while q < first and q < real:
+                out[m] = view[cand[order[q]]]
+                m += 1
+                q += 1
+            for e in range(a, b if nan else a):
+                if q >= first:
+                    break
+                if np.isnan(key[e]):
+                    out[m] = view[e]
                     m += 1
                     q += 1
-                for e in range(a, b if nan else a):
-                    if q >= first:
-                        break
-                    if np.isnan(key[e]):
-                        out[m] = view[e]
-                        m += 1
-                        q += 1
         left = k - first  # then the protected evictable ones, oldest first
         for e in range(evictable):
             if left == 0:

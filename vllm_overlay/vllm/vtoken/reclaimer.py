@@ -82,6 +82,14 @@ class InFlightMoves:
         s, f = self.src_indptr, self.fresh_indptr
         return self.src[s[k] : s[k + 1]], self.fresh[f[k] : f[k + 1]]
 
+    def block_ids(self, k: int) -> np.ndarray:
+        """The ids of request k's sources and destinations: what its part
+        keeps busy while it is in flight."""
+        s, d = self.src_indptr, self.dst_indptr
+        return np.concatenate(
+            [self.src_ids[s[k] : s[k + 1]], self.dst_ids[d[k] : d[k + 1]]]
+        )
+
 
 class BlockReclaimer:
     """Block-pool side of eviction and compaction for one KV-cache group."""
@@ -259,9 +267,7 @@ class BlockReclaimer:
         moves = self._inflight[rec.move_batch]
         k = moves.index[rid]
         src, fresh = moves.sources(k)
-        s, d = moves.src_indptr, moves.dst_indptr
-        ids = moves.src_ids[s[k] : s[k + 1]], moves.dst_ids[d[k] : d[k + 1]]
-        self._unbusy(rec.move_batch, np.concatenate(ids))
+        self._unbusy(rec.move_batch, moves.block_ids(k))
         for new, source in zip(fresh, src, strict=False):
             (i,) = self.blocks.find(rid, [new.block_id])
             self.blocks.replace(rid, i, source)
@@ -288,13 +294,10 @@ class BlockReclaimer:
         batch in flight that a request still waits for reads or writes it."""
         want = {}
         for batch_id, moves in self._inflight.items():
-            s, d = moves.src_indptr, moves.dst_indptr
             for rid, k in moves.index.items():
                 rec = reqs.get(rid)
                 if rec is not None and rec.move_batch == batch_id:
-                    ids = chain(moves.src_ids[s[k] : s[k + 1]].tolist(),
-                                moves.dst_ids[d[k] : d[k + 1]].tolist())  # fmt: skip
-                    want.update(dict.fromkeys(ids, batch_id))
+                    want.update(dict.fromkeys(moves.block_ids(k).tolist(), batch_id))
         busy = self.busy_blocks()
         got = dict(zip(busy.tolist(), self._busy[busy].tolist(), strict=True))
         assert got == want, f"busy blocks {got} are not the batches' {want}"
