@@ -48,10 +48,11 @@ def three(caching=True):
     return kv, vt, reqs
 
 
-def bind(kv, vt, caching):
+def bind(kv, vt, caching, evacuate_c=False):
     """A: b1 all dead (no move; 1 fresh it does not use). B: tokens 1..6 dead,
     b0, b1 evacuated into one fresh block (caching) / b0 into b1 (in place).
-    C: tokens 1..4 dead, token 0 moves into C.b1's hole (in place)."""
+    C: tokens 1..4 dead, token 0 moves into C.b1's hole (in place), or with
+    `evacuate_c` b0 evacuated into a fresh block of its own."""
     from vllm.vtoken.planner import BlockPlan
 
     ids = {r: [b.block_id for b in vt.reclaimer.positional(r)] for r in "ABC"}
@@ -62,6 +63,8 @@ def bind(kv, vt, caching):
         src = [ids["A"][1], ids["B"][0], ids["B"][1], ids["C"][0]]
         src_indptr, dst, dst_indptr = [0, 1, 3, 4], [ids["C"][1]], [0, 0, 0, 1]
         fresh = [1, 1, 0]
+        if evacuate_c:
+            dst, dst_indptr, fresh = [], [0, 0, 0, 0], [1, 1, 1]
     else:
         src = [ids["A"][1], ids["B"][0], ids["C"][0]]
         src_indptr, dst, dst_indptr = (
@@ -155,3 +158,30 @@ def test_a_destination_emptied_in_flight_is_freed_with_its_own_request(caching):
     assert vt.reclaimer.positional("C")[1].is_null
     # sources of B and C, and C's dead destination
     assert kv.block_pool.get_num_free_blocks() == free + (4 if caching else 3)
+
+
+def test_an_evacuation_puts_each_fresh_block_where_its_own_source_was():
+    """B and C both evacuate cached blocks (B two sources into one fresh
+    block, C one): the batch swaps every fresh block in at once
+    (BlockIndex.replace_at_many), each into its own request's list at its
+    source's entry; acknowledged, the sources are freed and the lists keep
+    the fresh blocks."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, reqs = three(caching=True)
+    ids, batch = bind(kv, vt, caching=True, evacuate_c=True)
+    m = vt.reclaimer._inflight[batch.batch_id]
+    assert batch.req_ids == ["B", "C"] and m.fresh_indptr.tolist() == [0, 1, 2]
+    fresh_b, fresh_c = (b.block_id for b in m.fresh)
+    lists = {r: [b.block_id for b in vt.reclaimer.positional(r)] for r in "BC"}
+    assert lists == {
+        "B": [fresh_b, ids["B"][1], ids["B"][2], *ids["B"][3:]],
+        "C": [fresh_c, ids["C"][1], ids["C"][2], *ids["C"][3:]],
+    }
+    assert m.dst_ids.tolist() == [fresh_b, fresh_c]
+    vt.check_integrity()
+    vt.on_output(VTokenWorkerOutput(acked_batches=[batch.batch_id]))
+    vt.check_integrity()
+    assert [b.block_id for b in vt.reclaimer.positional("B")][:2] == [fresh_b, 0]
+    assert vt.reclaimer.positional("C")[0].block_id == fresh_c
+    assert vt.reclaimer.blocks.find("C", [fresh_c, ids["C"][0]]) == [0]

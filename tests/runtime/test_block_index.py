@@ -160,3 +160,32 @@ def test_entries_catch_up_only_when_looked_up(monkeypatch):
     monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
     assert index.get("a").ids.tolist() == [7, 0, 9, 4, 5, 0, 6]
     assert index.find("a", [6, 8]) == [6]
+
+
+def test_replace_at_many_swaps_fresh_blocks_in_and_refuses_one_alone(monkeypatch):
+    """A plan's evacuation in one pass: each fresh block takes its source's
+    entry, the index follows (whether or not its map had reached the entry),
+    and a request one of whose sources is elsewhere is refused whole."""
+    lists = {
+        "a": [block(7), block(3), block(9)],
+        "b": [block(11), block(12), block(13)],
+        "c": [block(21), block(22)],
+    }
+    index = BlockIndex(lists, null_id=0)
+    index.find("a", [7])  # "a": its map caught up; "b": ids only; "c": none
+    index.get("b")
+    rids = ["a", "b", "c"]
+    fresh = [block(40), block(41), block(42), block(43)]
+    refused = index.replace_at_many(
+        rids, [0, 0, 1, 2], [2, 0, 1, 0], [9, 7, 12, 22], fresh
+    )
+    assert refused == [2]  # block 22 is at entry 1, not 0
+    assert [[b.block_id for b in lists[r]] for r in rids] == [
+        [41, 3, 40], [11, 42, 13], [21, 22],
+    ]  # fmt: skip
+    assert index.find("a", [40, 41, 7, 9]) == [0, 2]
+    assert index.find("b", [42, 12]) == [1]
+    monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
+    assert [index.get(r).ids.tolist() for r in rids] == [
+        [41, 3, 40], [11, 42, 13], [21, 22],
+    ]  # fmt: skip

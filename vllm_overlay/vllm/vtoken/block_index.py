@@ -18,14 +18,16 @@ with `ids` at the first lookup rather than on every append.
 
 vLLM only appends to a running request's list (the index catches up with the
 new tail when next asked) and makes a new list when a preempted request
-resumes (a new index); every other change goes through `replace` (or
-`null_out`). A lookup that finds another block where the index says is
+resumes (a new index); every other change goes through `replace`
+(`null_out`, and for a batch at known entries `null_at_many` and
+`replace_at_many`). A lookup that finds another block where the index says is
 answered from a new index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -167,6 +169,27 @@ class BlockIndex:
             how many group k null-replaced (groups with none left out); the
             groups one of whose blocks is elsewhere, nothing done for them.
         """
+        return self._replace_at(rids, seg, entries, ids, repeat(null), unshared_only)
+
+    def replace_at_many(
+        self,
+        rids: list[str],
+        seg: list[int],
+        entries: list[int],
+        ids: list[int],
+        blocks: list[KVCacheBlock],
+    ) -> list[int]:
+        """Entry entries[j] of rids[seg[j]]'s list, holding block ids[j],
+        becomes blocks[j], for many requests in one pass (`seg` grouped):
+        the fresh blocks of a plan taking its evacuated sources' places,
+        where the planner found them. Returns the groups one of whose blocks
+        is elsewhere, nothing done for them (`replace` them one by one)."""
+        assert len(blocks) == len(ids), "one block for each entry"
+        return self._replace_at(rids, seg, entries, ids, blocks, False)[2]
+
+    def _replace_at(self, rids, seg, entries, ids, new, unshared_only):
+        """null_at_many's and replace_at_many's pass: `new` yields the
+        block each entry gets, in order."""
         lists, refused, k0 = self._lists, set(), -1
         for k, e, b in zip(seg, entries, ids, strict=True):
             if k != k0:
@@ -175,7 +198,7 @@ class BlockIndex:
             if e >= n or blocks[e].block_id != b:
                 refused.add(k)
         out, nulled, k0, index = [], {}, -1, None
-        for k, e in zip(seg, entries, strict=True):
+        for (k, e), put in zip(zip(seg, entries, strict=True), new):
             if k in refused:
                 continue
             if k != k0:
@@ -195,8 +218,10 @@ class BlockIndex:
                     del self._index[rid]  # indexed afresh when next asked
                     index = None
                 else:
-                    index.ids[e] = null.block_id
-            blocks[e] = null
+                    index.ids[e] = put.block_id
+                    if e < index.at_upto and put.block_id != self._null_id:
+                        index.at[put.block_id] = e
+            blocks[e] = put
             out.append(block)
             nulled[k] = nulled.get(k, 0) + 1
         return out, nulled, sorted(refused)

@@ -503,8 +503,7 @@ class BlockReclaimer:
         for r in req_index:
             recs[r].move_batch = batch_id
         if fresh:  # cached sources come first in a plan around the cache
-            for k in np.flatnonzero(np.diff(moves.fresh_indptr)).tolist():
-                self._swap_in(out_rids[k], *moves.sources(k))
+            self._swap_in(moves)
         # Sources are never destinations: their hashes are still the plan's.
         evacuated = int(is_cached[src_ids].sum())
         assert not integrity.CHECK or evacuated == sum(
@@ -517,12 +516,16 @@ class BlockReclaimer:
         self._next_batch_id += 1
         return moves.batch
 
-    def _swap_in(
-        self, rid: str, src: list[KVCacheBlock], fresh: list[KVCacheBlock]
-    ) -> None:
-        """Put each fresh block where an evacuated source (src[: len(fresh)])
-        was in the positional list, so that vLLM frees it with the request;
-        the displaced sources are then held by the batch alone."""
-        for new, old in zip(fresh, src, strict=False):
-            (i,) = self.blocks.find(rid, [old.block_id])
-            self.blocks.replace(rid, i, new)
+    def _swap_in(self, moves: InFlightMoves) -> None:
+        """Put each fresh block where the evacuated source it displaces (its
+        request's first sources) was in the positional list, so that vLLM
+        frees it with the request; the displaced sources are then held by the
+        batch alone. One pass for the batch, at the entries where the plan
+        found the sources (src_at) a moment ago."""
+        nf = np.diff(moves.fresh_indptr)
+        at = ranges(moves.src_indptr[:-1], nf)
+        refused = self.blocks.replace_at_many(
+            moves.batch.req_ids, np.repeat(np.arange(nf.size), nf).tolist(),
+            moves.src_at[at].tolist(), moves.src_ids[at].tolist(), moves.fresh,
+        )  # fmt: skip
+        assert not refused, "an evacuated source is not where the plan found it"
