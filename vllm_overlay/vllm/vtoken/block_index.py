@@ -198,7 +198,8 @@ class BlockIndex:
             if e >= n or blocks[e].block_id != b:
                 refused.add(k)
         out, nulled, k0, index = [], {}, -1, None
-        for (k, e), put in zip(zip(seg, entries, strict=True), new):
+        # `new` may be endless (repeat): the lengths were checked above.
+        for (k, e), put in zip(zip(seg, entries, strict=True), new, strict=False):
             if k in refused:
                 continue
             if k != k0:
