@@ -4,6 +4,8 @@ Caches are written with vLLM's own CPU writer (`cpu_attn_reshape_and_cache`),
 so the oracle is independent of the read path's index math.
 """
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -614,6 +616,9 @@ def test_plan_fields_of_a_mixed_batch():
     keys = [[5, 9, 2], [13, 30, 5]]  # request 4's padded with slots[0]
     assert (plan.blk * B + plan.off).tolist() == keys
     assert plan.valid.tolist() == [[True] * 3, [True, True, False]]
+    assert plan.pad.view(2, 3).tolist() == [[False] * 3, [False, False, True]]
+    assert plan.valid_at.tolist() == [0, 1, 2, 3, 4]
+    assert plan.q_span is None  # rows 0 and 6: gathered
     v = [(s // B * H + h) * B + s % B for k in keys for h in range(H) for s in k]
     assert plan.v_rows.tolist() == v
     assert plan.other_q == [(3, 6)] and plan.other_loc == [0, 4]
@@ -677,3 +682,57 @@ def test_a_decode_layer_adds_its_masses_in_order_with_no_per_layer_index_work(
     per_layer |= {"aten::arange", "aten::bitwise_not", "aten::cat"}
     assert not ops_of[0] & per_layer, ops_of[0] & per_layer
     assert ops_of[1] & per_layer  # the general path makes them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_decodes_at_their_budget_reads_with_fewer_ops_to_the_bit(dtype):
+    """Every request decoding with as many live keys as the others (each at
+    its budget): the plan knows its query rows follow one another and that
+    nothing is padded, so a layer reads the queries and writes the outputs as
+    views, and makes no mask, no scale product and no masses' gather. Output
+    and masses are those of the general path (rows gathered, mask, gather)
+    to the bit."""
+    import dataclasses
+
+    from vllm.vtoken.scores import ScoreAccumulator
+
+    b = make_batch(
+        6, q_lens=[1, 1, 1], ctx_lens=[20, 20, 20], dead_frac=0.0, dtype=dtype
+    )
+    plan = build_cpu_read_plan(
+        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
+    )
+    assert plan.q_span == slice(0, 3) and plan.pad is None and plan.valid_at is None
+    r, w = plan.valid.shape
+    general = dataclasses.replace(
+        plan,
+        q_span=None,
+        pad=torch.zeros(r, 1, 1, w, dtype=torch.bool),
+        valid_at=torch.arange(r * w),
+    )
+    cpu_token_attention(  # once first: the head index is made once a process
+        b["query"], b["key_cache"], b["value_cache"], torch.empty_like(b["query"]),
+        plan, b["scale"],
+    )  # fmt: skip
+    outs, bufs, ops_of = [], [], []
+    for p in (plan, general):
+        acc = ScoreAccumulator("sum")
+        acc.begin_step(b["kv_slots"].numel())
+        out = torch.full_like(b["query"], float("nan"))
+        with torch.profiler.profile() as prof:
+            cpu_token_attention(
+                b["query"], b["key_cache"], b["value_cache"], out, p, b["scale"], acc
+            )
+        outs.append(out)
+        bufs.append(acc._step.clone())
+        ops_of.append(Counter(e.name for e in prof.events() if e.cpu_parent is None))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0], reference(b), atol=tol, rtol=tol)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    torch.testing.assert_close(bufs[0], bufs[1], atol=0, rtol=0)
+    fast, slow = ops_of
+    for op in ("aten::masked_fill_", "aten::mul", "aten::index_put_"):
+        assert not fast[op] and (slow[op] or op == "aten::mul"), (op, fast, slow)
+    assert fast["aten::index"] == 1 and slow["aten::index"] == 2  # K; and queries
+    assert fast["aten::index_select"] == 1 < slow["aten::index_select"]  # V; masses
+    assert sum(fast.values()) < sum(slow.values())

@@ -81,16 +81,21 @@ class CpuReadPlan:
 
     num_decode: int
     q_rows: torch.Tensor  # [R] int64: query row of each decode request
+    # The same rows as a slice when they follow one another (a step of
+    # decodes): the queries are read, and the outputs written, as views.
+    q_span: slice | None
     blk: torch.Tensor  # [R, W] int64
     off: torch.Tensor  # [R, W] int64
     v_rows: torch.Tensor  # [R * H * W] int64
     valid: torch.Tensor  # [R, W] bool
     # Derived once a step, not once a layer: `valid`'s complement shaped for
     # the logits [R, 1, 1, W], the flat positions of the valid entries of
-    # [R, W] (the masses' gather), and whether `score_pos` is every key in
-    # order (a read of decodes only: the masses add to the step buffer as is).
-    pad: torch.Tensor
-    valid_at: torch.Tensor
+    # [R, W] (the masses' gather), both None when no request is padded (every
+    # request at its budget: no mask, the masses in order), and whether
+    # `score_pos` is every key in order (a read of decodes only: the masses
+    # add to the step buffer as is).
+    pad: torch.Tensor | None
+    valid_at: torch.Tensor | None
     scores_in_order: bool
     others: list[int]
     other_q: list[tuple[int, int]]
@@ -183,9 +188,14 @@ def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
         other_q, other_write, others, other_loc = [], [], [], [0]
         other_rows = None if score_rows is None else []
     r, w = valid.shape
+    q_rows = q_loc[decode]  # ascending: each decode has one query row
+    padded = flags & read_kernels.PADDED
     return CpuReadPlan(
         num_decode=decode.size,
-        q_rows=torch.from_numpy(q_loc[decode]),
+        q_rows=torch.from_numpy(q_rows),
+        q_span=slice(int(q_rows[0]), int(q_rows[0]) + r)
+        if r and q_rows[-1] - q_rows[0] == r - 1
+        else None,
         blk=torch.from_numpy(blk),
         off=torch.from_numpy(off),
         v_rows=torch.from_numpy(v_rows),
@@ -203,8 +213,8 @@ def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
         if flags & read_kernels.UNCOUNTED
         else None,
         other_rows=other_rows,
-        pad=torch.from_numpy(~valid).view(r, 1, 1, w),
-        valid_at=torch.from_numpy(valid.reshape(-1).nonzero()[0]),
+        pad=torch.from_numpy(~valid).view(r, 1, 1, w) if padded else None,
+        valid_at=torch.from_numpy(valid.reshape(-1).nonzero()[0]) if padded else None,
         scores_in_order=not others and score_pos.size == slots.size,
     )
 
@@ -253,7 +263,10 @@ def cpu_token_attention(
         mass = _decode_batched(query, key_cache, value_cache, out, plan, scale, top)
         if plan.decode_counted is not None:  # a one-row chunk of a prefill
             mass.masked_fill_(~plan.decode_counted[:, None], 0.0)
-        masses.append(mass.view(-1).index_select(0, plan.valid_at))
+        mass = mass.view(-1)
+        if plan.valid_at is not None:  # padded: its valid entries
+            mass = mass.index_select(0, plan.valid_at)
+        masses.append(mass)
     if plan.others:
         key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
         gqa = num_q_heads != key.shape[1]
@@ -312,18 +325,35 @@ def _decode_batched(
     v = value_cache.view(-1, head_dim).index_select(0, plan.v_rows)
     v = v.view(num_reqs, heads, -1, head_dim)
     # GQA: query head h * G + g reads KV head h (h // G, as SDPA's enable_gqa).
-    q = query[plan.q_rows].float().view(num_reqs, heads, -1, head_dim)
-    logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [R, H, G, W]
-    logits.masked_fill_(plan.pad, float("-inf"))
+    # Every op here runs once a layer: a step of decodes (q_span, no padding,
+    # every row written) makes none it can do without (the scale is the
+    # product's alpha, bit for bit what multiplying the logits gives).
+    span = plan.q_span
+    q = query[span] if span is not None else query[plan.q_rows]
+    q = q.float().view(num_reqs * heads, -1, head_dim)  # [R * H, G, D]
+    k = k.float().view(num_reqs * heads, -1, head_dim)  # [R * H, W, D]
+    logits = torch.baddbmm(_NO_INPUT, q, k.transpose(-1, -2), beta=0, alpha=scale)
+    logits = logits.view(num_reqs, heads, -1, k.shape[1])  # [R, H, G, W]
+    if plan.pad is not None:
+        logits.masked_fill_(plan.pad, float("-inf"))
     probs = logits.softmax(dim=-1)
-    rows, w = plan.q_rows, plan.decode_write
-    if w is not None:  # rows read for their scores only get no output
-        rows, probs_w, v = rows[w], probs[w], v[w]
-    else:
-        probs_w = probs
-    o = torch.matmul(probs_w, v.float())  # [R', H, G, D]
-    out[rows] = o.reshape(len(rows), num_q_heads, head_dim).to(out.dtype)
+    w = plan.decode_write
+    if w is None:  # every row written
+        o = torch.matmul(probs, v.float())  # [R, H, G, D]
+        o = o.view(num_reqs, num_q_heads, head_dim)
+        if span is not None:
+            out[span] = o
+        else:
+            out[plan.q_rows] = o.to(out.dtype)
+    else:  # rows read for their scores only get no output
+        o = torch.matmul(probs[w], v[w].float())  # [R', H, G, D]
+        rows = plan.q_rows[w]
+        out[rows] = o.reshape(len(rows), num_q_heads, head_dim).to(out.dtype)
     return probs.amax(dim=(1, 2)) if top else probs.sum(dim=(1, 2))
+
+
+# baddbmm's `input`, ignored with beta=0 (never written: a shared constant).
+_NO_INPUT = torch.zeros(1)
 
 
 @functools.cache

@@ -18,8 +18,9 @@ _i64, _b1 = numba.int64[::1], numba.boolean[::1]
 _i64_2d, _b1_2d = numba.int64[:, ::1], numba.boolean[:, ::1]
 
 # cpu_plan_index's flags: some decode request is read for its scores only,
-# or (window scores) has no row that counts.
-SCORE_ONLY, UNCOUNTED = 1, 2
+# or (window scores) has no row that counts, or has fewer keys than the
+# widest (padded).
+SCORE_ONLY, UNCOUNTED, PADDED = 1, 2, 4
 
 
 @numba.njit(
@@ -86,6 +87,7 @@ def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_hea
     m = 0
     for i in range(num_dec):
         lo, hi = kv_loc[decode[i]], kv_loc[decode[i] + 1]
+        flags |= PADDED * (hi - lo < width)
         for w in range(width):
             ok = lo + w < hi
             s = kv_slots[lo + w] if ok else kv_slots[0]
