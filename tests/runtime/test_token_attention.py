@@ -736,3 +736,12 @@ def test_a_step_of_decodes_at_their_budget_reads_with_fewer_ops_to_the_bit(dtype
     assert fast["aten::index"] == 1 and slow["aten::index"] == 2  # K; and queries
     assert fast["aten::index_select"] == 1 < slow["aten::index_select"]  # V; masses
     assert sum(fast.values()) < sum(slow.values())
+    # Without scores (StreamingLLM, Random) the masses are not reduced at all.
+    out = torch.full_like(b["query"], float("nan"))
+    with torch.profiler.profile() as prof:
+        cpu_token_attention(
+            b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"]
+        )
+    torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
+    unscored = Counter(e.name for e in prof.events() if e.cpu_parent is None)
+    assert fast["aten::sum"] == 1 and not unscored["aten::sum"], unscored

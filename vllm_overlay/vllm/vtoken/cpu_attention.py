@@ -260,13 +260,16 @@ def cpu_token_attention(
     masses = []
     top = scores is not None and scores.aggregate == "max"
     if plan.num_decode:
-        mass = _decode_batched(query, key_cache, value_cache, out, plan, scale, top)
-        if plan.decode_counted is not None:  # a one-row chunk of a prefill
-            mass.masked_fill_(~plan.decode_counted[:, None], 0.0)
-        mass = mass.view(-1)
-        if plan.valid_at is not None:  # padded: its valid entries
-            mass = mass.index_select(0, plan.valid_at)
-        masses.append(mass)
+        mass = _decode_batched(
+            query, key_cache, value_cache, out, plan, scale, scores is not None, top
+        )
+        if mass is not None:
+            if plan.decode_counted is not None:  # a one-row chunk of a prefill
+                mass.masked_fill_(~plan.decode_counted[:, None], 0.0)
+            mass = mass.view(-1)
+            if plan.valid_at is not None:  # padded: its valid entries
+                mass = mass.index_select(0, plan.valid_at)
+            masses.append(mass)
     if plan.others:
         key, value = gather_live_kv(key_cache, value_cache, plan.other_slots)
         gqa = num_q_heads != key.shape[1]
@@ -309,14 +312,16 @@ def _decode_batched(
     out: torch.Tensor,
     plan: CpuReadPlan,
     scale: float,
+    scored: bool,
     top: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     # Requests with one query each, in one padded batch: a handful of ops per
     # layer instead of several per request, which dominate CPU decode steps.
     # K and V are gathered straight from the cache into the [R, H, W, D] layout
     # the matmuls want (one copy each; V rows are contiguous, so index_select,
     # several times faster than advanced indexing). Returns the mass [R, W],
-    # summed over query heads, or the largest one head gave (`top`).
+    # summed over query heads, or the largest one head gave (`top`); None
+    # unless `scored` (a policy without scores: no reduction a layer).
     num_blocks, heads, block, head_dim = key_cache.shape
     num_reqs, num_q_heads = plan.num_decode, query.shape[1]
     h = _head_index(heads)
@@ -349,6 +354,8 @@ def _decode_batched(
         o = torch.matmul(probs[w], v[w].float())  # [R', H, G, D]
         rows = plan.q_rows[w]
         out[rows] = o.reshape(len(rows), num_q_heads, head_dim).to(out.dtype)
+    if not scored:
+        return None
     return probs.amax(dim=(1, 2)) if top else probs.sum(dim=(1, 2))
 
 
