@@ -148,6 +148,7 @@ def build_cpu_read_plan(
 
 
 _NO_ROWS = np.zeros(0, np.int64)
+_NO_SLOTS = torch.zeros(0, dtype=torch.int64)  # a step of decodes' other_slots
 
 
 @functools.cache
@@ -202,7 +203,7 @@ def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
         valid=torch.from_numpy(valid),
         others=others,
         other_q=other_q,
-        other_slots=torch.from_numpy(other_slots),
+        other_slots=torch.from_numpy(other_slots) if others else _NO_SLOTS,
         other_loc=other_loc,
         score_pos=torch.from_numpy(score_pos),
         decode_write=torch.from_numpy(write[decode])

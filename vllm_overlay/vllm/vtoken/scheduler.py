@@ -209,9 +209,13 @@ class VTokenScheduler:
         chunks, self._step_dead = self._step_dead, []
         if not chunks and moves is None:
             return None
-        ids = list(chain.from_iterable(c[0] for c in chunks))  # c[0]: memoized
-        counts = np.concatenate([c[1] for c in chunks] + [np.zeros(0, np.int64)])
-        idx = np.concatenate([c[2] for c in chunks] + [np.zeros(0, np.int64)])
+        if len(chunks) == 1:  # the usual step: one eviction, used as it is
+            ((ids, counts, idx),) = chunks
+            ids = list(ids)  # c[0] may be memoized: the message's own list
+        else:
+            ids = list(chain.from_iterable(c[0] for c in chunks))  # c[0]: memoized
+            counts = np.concatenate([c[1] for c in chunks] + [np.zeros(0, np.int64)])
+            idx = np.concatenate([c[2] for c in chunks] + [np.zeros(0, np.int64)])
         if self._num_freed != self._freed_at_evict and not all(
             map(self._reqs.__contains__, ids)
         ):  # finished since (a step frees none between its two hooks today)
