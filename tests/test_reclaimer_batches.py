@@ -52,7 +52,8 @@ def bind(kv, vt, caching, evacuate_c=False):
     """A: b1 all dead (no move; 1 fresh it does not use). B: tokens 1..6 dead,
     b0, b1 evacuated into one fresh block (caching) / b0 into b1 (in place).
     C: tokens 1..4 dead, token 0 moves into C.b1's hole (in place), or with
-    `evacuate_c` b0 evacuated into a fresh block of its own."""
+    `evacuate_c` b1 (tokens 5..7 live) evacuated into a fresh block of its
+    own, which takes b1's place, the second entry of C's list."""
     from vllm.vtoken.planner import BlockPlan
 
     ids = {r: [b.block_id for b in vt.reclaimer.positional(r)] for r in "ABC"}
@@ -64,6 +65,7 @@ def bind(kv, vt, caching, evacuate_c=False):
         src_indptr, dst, dst_indptr = [0, 1, 3, 4], [ids["C"][1]], [0, 0, 0, 1]
         fresh = [1, 1, 0]
         if evacuate_c:
+            src[3] = ids["C"][1]
             dst, dst_indptr, fresh = [], [0, 0, 0, 0], [1, 1, 1]
     else:
         src = [ids["A"][1], ids["B"][0], ids["C"][0]]
@@ -162,7 +164,7 @@ def test_a_destination_emptied_in_flight_is_freed_with_its_own_request(caching):
 
 def test_an_evacuation_puts_each_fresh_block_where_its_own_source_was():
     """B and C both evacuate cached blocks (B two sources into one fresh
-    block, C one): the batch swaps every fresh block in at once
+    block, C its second block): the batch swaps every fresh block in at once
     (BlockIndex.replace_at_many), each into its own request's list at its
     source's entry; acknowledged, the sources are freed and the lists keep
     the fresh blocks."""
@@ -176,12 +178,13 @@ def test_an_evacuation_puts_each_fresh_block_where_its_own_source_was():
     lists = {r: [b.block_id for b in vt.reclaimer.positional(r)] for r in "BC"}
     assert lists == {
         "B": [fresh_b, ids["B"][1], ids["B"][2], *ids["B"][3:]],
-        "C": [fresh_c, ids["C"][1], ids["C"][2], *ids["C"][3:]],
+        "C": [ids["C"][0], fresh_c, ids["C"][2], *ids["C"][3:]],
     }
+    assert m.src_at.tolist() == [0, 1, 1]
     assert m.dst_ids.tolist() == [fresh_b, fresh_c]
     vt.check_integrity()
     vt.on_output(VTokenWorkerOutput(acked_batches=[batch.batch_id]))
     vt.check_integrity()
     assert [b.block_id for b in vt.reclaimer.positional("B")][:2] == [fresh_b, 0]
-    assert vt.reclaimer.positional("C")[0].block_id == fresh_c
-    assert vt.reclaimer.blocks.find("C", [fresh_c, ids["C"][0]]) == [0]
+    assert vt.reclaimer.positional("C")[1].block_id == fresh_c
+    assert vt.reclaimer.blocks.find("C", [fresh_c, ids["C"][1]]) == [1]

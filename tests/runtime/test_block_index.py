@@ -165,27 +165,33 @@ def test_entries_catch_up_only_when_looked_up(monkeypatch):
 def test_replace_at_many_swaps_fresh_blocks_in_and_refuses_one_alone(monkeypatch):
     """A plan's evacuation in one pass: each fresh block takes its source's
     entry, the index follows (whether or not its map had reached the entry),
-    and a request one of whose sources is elsewhere is refused whole."""
+    and a request one of whose sources is elsewhere is refused whole, the
+    requests after it still given their own blocks."""
+    monkeypatch.setattr(integrity, "CHECK", True)  # every get: index == list
     lists = {
         "a": [block(7), block(3), block(9)],
+        "c": [block(21), block(22), block(23)],
         "b": [block(11), block(12), block(13)],
-        "c": [block(21), block(22)],
     }
     index = BlockIndex(lists, null_id=0)
-    index.find("a", [7])  # "a": its map caught up; "b": ids only; "c": none
-    index.get("b")
-    rids = ["a", "b", "c"]
-    fresh = [block(40), block(41), block(42), block(43)]
+    index.find("a", [7])  # "a": its map caught up; "c": ids only; "b": none
+    monkeypatch.setattr(integrity, "CHECK", False)  # its check builds the maps
+    index.get("c")
+    rids = ["a", "c", "b"]
+    fresh = [block(40), block(41), block(42), block(43), block(44)]
+    # c: block 21 rightly at entry 0, block 22 claimed at entry 2.
     refused = index.replace_at_many(
-        rids, [0, 0, 1, 2], [2, 0, 1, 0], [9, 7, 12, 22], fresh
+        rids, [0, 0, 1, 1, 2], [2, 0, 0, 2, 1], [9, 7, 21, 22, 12], fresh
     )
-    assert refused == [2]  # block 22 is at entry 1, not 0
+    assert refused == [1]
     assert [[b.block_id for b in lists[r]] for r in rids] == [
-        [41, 3, 40], [11, 42, 13], [21, 22],
+        [41, 3, 40], [21, 22, 23], [11, 44, 13],
+    ]  # fmt: skip
+    monkeypatch.setattr(integrity, "CHECK", True)  # and no stale entry in a map
+    assert [index.get(r).ids.tolist() for r in rids] == [
+        [41, 3, 40], [21, 22, 23], [11, 44, 13],
     ]  # fmt: skip
     assert index.find("a", [40, 41, 7, 9]) == [0, 2]
-    assert index.find("b", [42, 12]) == [1]
-    monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
-    assert [index.get(r).ids.tolist() for r in rids] == [
-        [41, 3, 40], [11, 42, 13], [21, 22],
-    ]  # fmt: skip
+    assert index.find("b", [44, 12]) == [1]
+    with pytest.raises(ValueError, match="2 blocks for 1 entries"):
+        index.replace_at_many(["a"], [0], [1], [3], fresh[:2])

@@ -745,3 +745,23 @@ def test_a_step_of_decodes_at_their_budget_reads_with_fewer_ops_to_the_bit(dtype
     torch.testing.assert_close(out, outs[0], atol=0, rtol=0)
     unscored = Counter(e.name for e in prof.events() if e.cpu_parent is None)
     assert fast["aten::sum"] == 1 and not unscored["aten::sum"], unscored
+
+
+def test_a_decode_step_reads_a_float32_query_that_is_a_view_of_fused_qkv():
+    """vLLM's query is a view of the fused qkv projection (its rows strided
+    past the keys and values), and float32's .float() copies nothing: the
+    decode read of consecutive rows must still read it, as the reference."""
+    b = make_batch(7, q_lens=[1, 1, 1], ctx_lens=[12, 12, 12], dead_frac=0.0)
+    qkv = torch.randn(3, 4 + 2 * 2, 32)  # [T, Hq + 2 H, D]
+    qkv[:, :4] = b["query"]
+    b["query"] = qkv[:, :4]
+    assert not b["query"].is_contiguous()
+    plan = build_cpu_read_plan(
+        b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
+    )
+    assert plan.q_span == slice(0, 3)
+    out = torch.full((3, 4, 32), float("nan"))
+    cpu_token_attention(
+        b["query"], b["key_cache"], b["value_cache"], out, plan, b["scale"]
+    )
+    torch.testing.assert_close(out, reference(b), atol=1e-5, rtol=1e-5)

@@ -183,8 +183,9 @@ class BlockIndex:
         becomes blocks[j], for many requests in one pass (`seg` grouped):
         the fresh blocks of a plan taking its evacuated sources' places,
         where the planner found them. Returns the groups one of whose blocks
-        is elsewhere, nothing done for them (`replace` them one by one)."""
-        assert len(blocks) == len(ids), "one block for each entry"
+        is elsewhere, nothing done for them."""
+        if len(blocks) != len(ids):
+            raise ValueError(f"{len(blocks)} blocks for {len(ids)} entries")
         return self._replace_at(rids, seg, entries, ids, blocks, False)[2]
 
     def _replace_at(self, rids, seg, entries, ids, new, unshared_only):

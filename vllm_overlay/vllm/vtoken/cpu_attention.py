@@ -333,10 +333,13 @@ def _decode_batched(
     # GQA: query head h * G + g reads KV head h (h // G, as SDPA's enable_gqa).
     # Every op here runs once a layer: a step of decodes (q_span, no padding,
     # every row written) makes none it can do without (the scale is the
-    # product's alpha, bit for bit what multiplying the logits gives).
+    # product's alpha; at the benchmark's shapes, bit for bit what
+    # multiplying the logits gave).
     span = plan.q_span
     q = query[span] if span is not None else query[plan.q_rows]
-    q = q.float().view(num_reqs * heads, -1, head_dim)  # [R * H, G, D]
+    # reshape: a float32 query is a view of vLLM's fused qkv (rows strided),
+    # and .float() then copies nothing.
+    q = q.float().reshape(num_reqs * heads, -1, head_dim)  # [R * H, G, D]
     k = k.float().view(num_reqs * heads, -1, head_dim)  # [R * H, W, D]
     logits = torch.baddbmm(_NO_INPUT, q, k.transpose(-1, -2), beta=0, alpha=scale)
     logits = logits.view(num_reqs, heads, -1, k.shape[1])  # [R, H, G, W]
@@ -361,7 +364,7 @@ def _decode_batched(
 
 
 # baddbmm's `input`, ignored with beta=0 (never written: a shared constant).
-_NO_INPUT = torch.zeros(1)
+_NO_INPUT = torch.zeros(1, dtype=torch.float32)
 
 
 @functools.cache

@@ -528,4 +528,8 @@ class BlockReclaimer:
             moves.batch.req_ids, np.repeat(np.arange(nf.size), nf).tolist(),
             moves.src_at[at].tolist(), moves.src_ids[at].tolist(), moves.fresh,
         )  # fmt: skip
-        assert not refused, "an evacuated source is not where the plan found it"
+        if refused:  # the plan read the entries a moment ago: a broken index
+            raise RuntimeError(
+                f"{[moves.batch.req_ids[k] for k in refused]}: an evacuated "
+                "source is not where the plan found it"
+            )
