@@ -207,6 +207,42 @@ def test_reset_slots_keeps_liveness_and_resync_restores_counts():
     pool.check_integrity()
 
 
+def test_release_many_is_release_one_by_one():
+    """The worker's finished requests, released at once: the same block
+    counts, live total, rows and cleared regions as one `release` each, with
+    a row holding dead tokens and a preempted one (live bits, no slots)
+    among them; the regions come back empty to the next requests."""
+    rng = np.random.default_rng(0)
+    pools = []
+    for _ in range(2):
+        pool = make_pool(
+            64, a=list(range(0, 10)), b=list(range(16, 30)), c=list(range(40, 47)),
+            d=list(range(80, 96)),
+        )  # fmt: skip
+        pool.evict("a", np.array([1, 4, 5]))
+        pool.evict("d", np.array([0, 15]))
+        pool.reset_slots("c")  # preempted: its live bits stay, slots go
+        pools.append(pool)
+    pools[0].release_many(["d", "a", "c"])
+    for rid in ("d", "a", "c"):
+        pools[1].release(rid)
+    for pool in pools:
+        assert "a" not in pool and "c" not in pool and "d" not in pool
+        assert pool.total_live() == pool.num_live("b") == 14
+        assert pool.block_live.sum() == 14
+        pool.check_integrity()
+    np.testing.assert_array_equal(pools[0].block_live, pools[1].block_live)
+    for pool in pools:  # new requests take the rows: nothing left of the old
+        for k, rid in enumerate("efg"):
+            pool.add_request(rid)
+            pool.append(rid, rng.permutation(np.arange(100, 105)) + 5 * k)
+        assert all(pool.num_live(r) == 5 for r in "efg")
+        assert pool.num_tokens("e") == 5
+        pool.check_integrity()
+    with pytest.raises(KeyError):
+        pools[0].release_many(["b", "a"])
+
+
 def test_release_returns_counts_and_forgets_request():
     pool = make_pool(a=[4, 5, 6], b=[8, 9])
     pool.evict("a", np.array([0]))

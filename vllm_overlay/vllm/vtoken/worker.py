@@ -166,9 +166,10 @@ class VTokenWorker:
         if pending_reqs & gone:
             # Their blocks may be handed out again this step: copies first.
             self.executor.wait_all()
-        for rid in so.finished_req_ids:
-            if rid in pool:
-                pool.release(rid)
+        done = [rid for rid in so.finished_req_ids if rid in pool]
+        if done:  # released for the batch at once
+            pool.release_many(done)
+            for rid in done:
                 del self._scored[rid]
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             if rid in pool:
