@@ -155,7 +155,7 @@ class RowArena:
 
     def remove_many(self, keys: Sequence[str]) -> None:
         """`remove` of distinct keys at once: their regions cleared by one
-        assignment an array."""
+        assignment an array (for one key `remove`'s slices cost a quarter)."""
         rows = np.fromiter(map(self.index.pop, keys), np.int64, len(keys))
         self.generation += 1
         at = ranges(self.start[rows], self.cap[rows])
