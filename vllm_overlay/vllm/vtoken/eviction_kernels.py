@@ -10,10 +10,12 @@ ten times. A built-in states its choice as a `LowestRule` instead
 (policies/base.py), and this loop applies it row by row, reading each live
 token once:
 
-    per row   walk its live list      -> entries e = 0..n-1 (logical idx t_e)
+    per row   (none wanted: skipped, its list not walked)
+              walk its live list      -> entries e = 0..n-1 (logical idx t_e)
               key_e, evictable_e, protected_e
               the k lowest unprotected evictable (ties: earliest), then the
-              protected evictable earliest first  (selection_kernels.lowest)
+              protected evictable earliest first  (selection_kernels.lowest;
+              k = 1, the steady state: keys computed as the one scan goes)
               sorted ascending, evicted in place  (table_kernels.evict_rows)
 
 It chooses exactly what `evict_batch` + `selection_kernels.lowest` choose
@@ -28,7 +30,7 @@ import numba
 import numpy as np
 
 from vllm.vtoken.policies.selection_kernels import _FEW, _before
-from vllm.vtoken.table_kernels import kill
+from vllm.vtoken.table_kernels import kill_rows
 
 _i64, _i32, _u64, _f32, _f64, _b1 = (
     numba.int64[::1],
@@ -62,12 +64,13 @@ def _seen(age, window):
     return 1.0 - (1.0 - 1.0 / window) ** np.float64(age)
 
 
-@numba.njit(numba.float64(numba.float64, numba.int64, numba.int64, _f64), **_jit)
+@numba.njit(inline="always")
 def _unimportance(score, age, window, seen_at):
     """ScissorhandsPolicy.evict_batch's key of one token, to the bit: minus
     how many of its last min(age, window) steps it was unimportant.
     `seen_at`: _seen by age, for the ages below its size (a pow each is
-    most of the pass)."""
+    most of the pass). Inlined: a compiled call a token passing an array
+    costs numba's reference counting of it (table_kernels.kill_rows)."""
     seen = seen_at[age] if age < seen_at.size else _seen(age, window)
     rate = score / seen
     if rate > 1.0:  # np.minimum: NaN stays NaN
@@ -119,25 +122,50 @@ def evict_lowest(
     for i in range(num):
         r = rows[i]
         base, end, k = start[r], n_slotted[r], max(want[i], 0)
+        if k == 0:
+            continue
         n = 0
         for j in range(base, base + n_listed[r]):
             t = listed[j]
             if t < end and live[base + t]:
                 view[n] = t
                 n += 1
-        if k == 0 or n == 0:
+        if n == 0:
             continue
         # The view ascends, so the candidates (evictable, t < attended - 1;
         # past the sinks; before the recent window) are one run [a, b).
         last, a, b = attended[i] - 1, 0, n - recent
         while a < n and view[a] < sinks:
             a += 1
-        evictable = 0
-        while evictable < n and view[evictable] < last:
-            evictable += 1
+        evictable = n  # from the end: only the newest are past `last`
+        while evictable > 0 and view[evictable - 1] >= last:
+            evictable -= 1
         b = min(b, evictable)
         first, lo, nan = min(k, max(b - a, 0)), m, 0
-        if key_kind != 1:  # the logical index needs none: the view ascends
+        if first == 1 and key_kind != 1:
+            # The steady state (a token over budget): one pass, each key
+            # computed as it is compared, no key array, no second scan.
+            srow = score_rows[i] if key_kind == 0 or key_kind == 3 else -1
+            sbase = score_start[srow] if srow >= 0 else 0
+            scap = score_cap[srow] if srow >= 0 else 0
+            arow = age_rows[i] if key_kind == 3 else -1
+            nonce = view[n - 1]
+            best, low = -1, 0.0
+            for e in range(a, b):
+                t = view[e]
+                if key_kind == 0:
+                    x = np.float64(acc[sbase + t]) if t < scap else 0.0
+                elif key_kind == 2:
+                    x = _hash_uniform(seeds[i], t, nonce)
+                else:
+                    score = np.float64(acc[sbase + t]) if t < scap else 0.0
+                    age = age_step[arow] - born[age_start[arow] + t] + 1
+                    x = _unimportance(score, age, window, seen_at)
+                if best < 0 or _before(x, low):
+                    best, low = e, x
+            out[m] = view[best]
+            m += 1
+        elif key_kind != 1:  # the logical index needs none: the view ascends
             srow = score_rows[i] if key_kind == 0 or key_kind == 3 else -1
             sbase = score_start[srow] if srow >= 0 else 0
             scap = score_cap[srow] if srow >= 0 else 0
@@ -154,7 +182,9 @@ def evict_lowest(
                     key[e] = _unimportance(score, age, window, seen_at)
                 nan += np.isnan(key[e])
                 taken[e] = False
-        if key_kind == 1:  # the lowest keys are the first candidates
+        if first == 1 and key_kind != 1:
+            pass  # taken above
+        elif key_kind == 1:  # the lowest keys are the first candidates
             for e in range(a, a + first):
                 out[m] = view[e]
                 m += 1
@@ -201,6 +231,9 @@ def evict_lowest(
                 out[w] = out[w - 1]
                 w -= 1
             out[w] = t
-        kill(r, base, out[lo:m], n_live, n_listed, slot, live, listed,
-             block_live, block_size)  # fmt: skip
+    indptr = np.zeros(num + 1, np.int64)
+    for i in range(num):
+        indptr[i + 1] = indptr[i] + counts[i]
+    kill_rows(rows, indptr, out, start, n_live, n_listed, slot, live, listed,
+              block_live, block_size)  # fmt: skip
     return counts, out[:m]
