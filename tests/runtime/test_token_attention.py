@@ -633,6 +633,12 @@ def test_plan_fields_of_a_mixed_batch():
     assert plan.decode_write.tolist() == [True, False]
     assert plan.decode_counted.tolist() == [True, False]
     assert plan.other_rows == [2]
+    # Decodes around a request with keys but no queries this call: not every
+    # key is read, so the masses' positions are listed; the narrower decode
+    # (first) is padded.
+    plan = build_cpu_read_plan([0, 1, 1, 2], [0, 2, 4, 7], slots[:7], B, H)
+    assert not plan.scores_in_order and plan.score_pos.tolist() == [0, 1, 4, 5, 6]
+    assert plan.valid.tolist() == [[True, True, False], [True] * 3]
     # Index arrays the kernel would read out of bounds with are refused.
     with pytest.raises(ValueError, match="decreases"):
         build_cpu_read_plan([0, 2, 1], [0, 0, 3], slots[:3], B, H)
@@ -658,7 +664,10 @@ def test_a_decode_layer_adds_its_masses_in_order_with_no_per_layer_index_work(
         b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
     )
     assert plan.scores_in_order and plan.num_decode == 3
-    general = dataclasses.replace(plan, scores_in_order=False)
+    assert plan.score_pos.numel() == 0  # in order: not written
+    general = dataclasses.replace(
+        plan, scores_in_order=False, score_pos=torch.arange(b["kv_slots"].numel())
+    )
     cpu_token_attention(  # once first: the head index is made once a process
         b["query"], b["key_cache"], b["value_cache"], torch.empty_like(b["query"]),
         plan, b["scale"],
@@ -703,7 +712,8 @@ def test_a_step_of_decodes_at_their_budget_reads_with_fewer_ops_to_the_bit(dtype
         b["query_start_loc"], b["kv_indptr"], b["kv_slots"], b["block"], 2
     )
     assert plan.q_span == slice(0, 3) and plan.pad is None and plan.valid_at is None
-    r, w = plan.valid.shape
+    assert plan.valid is None and plan.scores_in_order and not plan.score_pos.numel()
+    r, w = plan.blk.shape
     general = dataclasses.replace(
         plan,
         q_span=None,

@@ -69,12 +69,14 @@ class CpuReadPlan:
 
     Decode requests (one query each) form a padded batch: `blk`/`off` `[R, W]`
     address each request's live keys (padding repeats a valid slot and is
-    masked by `valid`); `v_rows` `[R * H * W]` are the same keys as rows of the
-    value cache viewed `[N * H * B, D]`, one per KV head. Requests with several
+    masked by `valid`, None when no request is padded); `v_rows`
+    `[R * H * W]` are the same keys as rows of the value cache viewed
+    `[N * H * B, D]`, one per KV head. Requests with several
     queries (prefills) read `other_slots`: request `others[i]` has query rows
     `other_q[i]` and keys `[other_loc[i], other_loc[i + 1])` of it. `score_pos`
     lists every key read (its position in `kv_slots`), in the order the masses
-    are concatenated. A request whose output vLLM's kernel already wrote
+    are concatenated; empty when that is every key in order
+    (`scores_in_order`). A request whose output vLLM's kernel already wrote
     (`decode_write` / `other_write` False) is read for its attention masses
     only.
     """
@@ -87,7 +89,7 @@ class CpuReadPlan:
     blk: torch.Tensor  # [R, W] int64
     off: torch.Tensor  # [R, W] int64
     v_rows: torch.Tensor  # [R * H * W] int64
-    valid: torch.Tensor  # [R, W] bool
+    valid: torch.Tensor | None  # [R, W] bool; None: none padded
     # Derived once a step, not once a layer: `valid`'s complement shaped for
     # the logits [R, 1, 1, W], the flat positions of the valid entries of
     # [R, W] (the masses' gather), both None when no request is padded (every
@@ -101,7 +103,7 @@ class CpuReadPlan:
     other_q: list[tuple[int, int]]
     other_slots: torch.Tensor  # [S'] int64
     other_loc: list[int]
-    score_pos: torch.Tensor  # [S''] int64
+    score_pos: torch.Tensor  # [S''] int64; empty when scores_in_order
     decode_write: torch.Tensor | None  # [R] bool; None: write every row
     other_write: list[bool]
     # "window" scores (SnapKV): decode requests whose row counts (None: all),
@@ -148,7 +150,9 @@ def build_cpu_read_plan(
 
 
 _NO_ROWS = np.zeros(0, np.int64)
-_NO_SLOTS = torch.zeros(0, dtype=torch.int64)  # a step of decodes' other_slots
+_NO_SLOTS = torch.zeros(
+    0, dtype=torch.int64
+)  # a step of decodes: other_slots, score_pos
 
 
 @functools.cache
@@ -188,9 +192,10 @@ def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
     else:  # decodes only
         other_q, other_write, others, other_loc = [], [], [], [0]
         other_rows = None if score_rows is None else []
-    r, w = valid.shape
+    r, w = blk.shape
     q_rows = q_loc[decode]  # ascending: each decode has one query row
     padded = flags & read_kernels.PADDED
+    in_order = bool(flags & read_kernels.IN_ORDER)
     return CpuReadPlan(
         num_decode=decode.size,
         q_rows=torch.from_numpy(q_rows),
@@ -200,12 +205,12 @@ def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
         blk=torch.from_numpy(blk),
         off=torch.from_numpy(off),
         v_rows=torch.from_numpy(v_rows),
-        valid=torch.from_numpy(valid),
+        valid=torch.from_numpy(valid) if padded else None,
         others=others,
         other_q=other_q,
         other_slots=torch.from_numpy(other_slots) if others else _NO_SLOTS,
         other_loc=other_loc,
-        score_pos=torch.from_numpy(score_pos),
+        score_pos=_NO_SLOTS if in_order else torch.from_numpy(score_pos),
         decode_write=torch.from_numpy(write[decode])
         if flags & read_kernels.SCORE_ONLY
         else None,
@@ -216,7 +221,7 @@ def cpu_read_plan(q_loc, kv_loc, slots, shift, num_kv_heads, write, score_rows):
         other_rows=other_rows,
         pad=torch.from_numpy(~valid).view(r, 1, 1, w) if padded else None,
         valid_at=torch.from_numpy(valid.reshape(-1).nonzero()[0]) if padded else None,
-        scores_in_order=not others and score_pos.size == slots.size,
+        scores_in_order=in_order,
     )
 
 

@@ -19,8 +19,9 @@ _i64_2d, _b1_2d = numba.int64[:, ::1], numba.boolean[:, ::1]
 
 # cpu_plan_index's flags: some decode request is read for its scores only,
 # or (window scores) has no row that counts, or has fewer keys than the
-# widest (padded).
-SCORE_ONLY, UNCOUNTED, PADDED = 1, 2, 4
+# widest (padded); every key is read, decodes' only (in order: score_pos
+# would be 0..n-1, and is not written).
+SCORE_ONLY, UNCOUNTED, PADDED, IN_ORDER = 1, 2, 4, 8
 
 
 @numba.njit(
@@ -37,11 +38,14 @@ def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_hea
     Request r has queries [q_loc[r], q_loc[r + 1]) and keys kv_slots[kv_loc[r]:
     kv_loc[r + 1]]; one without keys is not read. `decode`: the read requests
     with one query, `others` the rest. Decode request i's keys are padded to the
-    widest (`blk`, `off`, `valid` [R, W]; padding repeats kv_slots[0]); v_rows
-    [R * H * W] the same keys as rows of the value cache viewed [N * H * B, D].
+    widest (`blk`, `off`, `valid` [R, W]; padding repeats kv_slots[0]; `valid`
+    is [0, W] when none is padded); v_rows [R * H * W] the same keys as rows
+    of the value cache viewed [N * H * B, D].
     A request without queries this call is not read either.
     `score_pos`: every key read, decode requests' first, as positions in
-    kv_slots; `other_slots` the others' keys, `other_loc` their CSR. `write`
+    kv_slots (empty when that is every key in order: flag IN_ORDER; at 1,024
+    requests the two unwritten arrays were a fifth of the pass);
+    `other_slots` the others' keys, `other_loc` their CSR. `write`
     [R]: whose output the read writes; `score_rows` [R] (or empty): rows that
     count for "window" scores. Blocks of 1 << shift slots (arena.block_shift)."""
     n = q_loc.size - 1
@@ -51,7 +55,8 @@ def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_hea
         raise ValueError("kv_indptr does not start at 0")
     if score_rows.size not in (0, n):
         raise ValueError("score_rows is not one per request")
-    num_dec = num_oth = width = oth_keys = flags = 0
+    num_dec = num_oth = width = oth_keys = flags = dec_keys = 0
+    narrow = -1  # the fewest keys of a decode request
     for r in range(n):
         nq, nk = q_loc[r + 1] - q_loc[r], kv_loc[r + 1] - kv_loc[r]
         if nq < 0 or nk < 0:
@@ -63,6 +68,8 @@ def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_hea
         if nq == 1:
             num_dec += 1
             width = max(width, nk)
+            narrow = nk if narrow < 0 else min(narrow, nk)
+            dec_keys += nk
             flags |= SCORE_ONLY * (not write[r])
             flags |= UNCOUNTED * (score_rows.size > 0 and score_rows[r] <= 0)
         else:
@@ -79,26 +86,33 @@ def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_hea
                 others[o] = r
                 o += 1
     H, block_size = num_kv_heads, 1 << shift
+    padded = 0 <= narrow < width
+    flags |= PADDED * padded
+    # Every key read, decodes' in order: score_pos would be 0..n-1 (IN_ORDER).
+    in_order = num_oth == 0 and dec_keys == kv_slots.size
+    flags |= IN_ORDER * in_order
     blk = np.empty((num_dec, width), np.int64)
     off = np.empty((num_dec, width), np.int64)
-    valid = np.empty((num_dec, width), np.bool_)
+    valid = np.empty((num_dec if padded else 0, width), np.bool_)
     v_rows = np.empty(num_dec * H * width, np.int64)
-    score_pos = np.empty(kv_slots.size, np.int64)
+    score_pos = np.empty(0 if in_order else kv_slots.size, np.int64)
     m = 0
     for i in range(num_dec):
         lo, hi = kv_loc[decode[i]], kv_loc[decode[i] + 1]
-        flags |= PADDED * (hi - lo < width)
         for w in range(width):
             ok = lo + w < hi
             s = kv_slots[lo + w] if ok else kv_slots[0]
             b = s >> shift
             o = s & (block_size - 1)
-            blk[i, w], off[i, w], valid[i, w] = b, o, ok
+            blk[i, w], off[i, w] = b, o
+            if padded:
+                valid[i, w] = ok
             for h in range(H):
                 v_rows[(i * H + h) * width + w] = (b * H + h) * block_size + o
-        for p in range(lo, hi):
-            score_pos[m] = p
-            m += 1
+        if not in_order:
+            for p in range(lo, hi):
+                score_pos[m] = p
+                m += 1
     other_slots = np.empty(oth_keys, np.int64)
     other_loc = np.zeros(num_oth + 1, np.int64)
     for i in range(num_oth):
