@@ -122,4 +122,38 @@ def test_the_step_buffer_is_kept_and_zeroed_each_step():
     want[5] = 2.0
     np.testing.assert_array_equal(step.gain, want)
     acc.begin_step(250)  # larger: a new buffer, zeroed too
-    assert acc._step.numel() == 250 and not acc._step.any()
+    assert acc._step.numel() == 250
+    step = acc.take_step(
+        ["a"], np.array([0, 250]), np.arange(250), np.array([0, 1]), 1.0
+    )
+    assert not step.gain.any()  # no layer read scores: no gain
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "max"])
+def test_a_steps_first_in_order_masses_are_copied_into_the_kept_buffer(aggregate):
+    """The buffer is not zeroed at begin_step: the first layer's masses in
+    read order are copied in (as adding them to zeros, or their max with
+    zeros, would give), the next layers' added; a scatter, a reduce or a
+    step no layer read zero it first. Last step's masses never leak."""
+    import torch
+
+    from vllm.vtoken.scores import ScoreAccumulator
+
+    def gains(layers, n=50):
+        acc = ScoreAccumulator("sum", aggregate=aggregate)
+        acc.begin_step(n)
+        acc.add(None, torch.full((n,), 7.0))  # a step that leaves its masses
+        acc.take_step(["a"], np.array([0, n]), np.arange(n), np.array([0, 1]), 1.0)
+        acc.begin_step(n)
+        for pos, mass in layers:
+            acc.add(pos, mass)
+        idx = np.arange(n)
+        return acc.take_step(["a"], np.array([0, n]), idx, np.array([0, 1]), 1.0).gain
+
+    m1, m2 = torch.rand(50), torch.rand(50)
+    combine = torch.maximum if aggregate == "max" else torch.add
+    np.testing.assert_array_equal(gains([(None, m1)]), m1.numpy())
+    np.testing.assert_array_equal(gains([(None, m1), (None, m2)]), combine(m1, m2))
+    pos = torch.arange(50).flip(0)  # a scatter first: from zeros
+    np.testing.assert_array_equal(gains([(pos, m1)]), m1.flip(0).numpy())
+    np.testing.assert_array_equal(gains([]), np.zeros(50, np.float32))
