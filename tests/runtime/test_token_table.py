@@ -678,6 +678,28 @@ def test_append_rows_kernel_refuses_a_short_region_and_changes_nothing():
     pool.check_integrity()
 
 
+def test_append_rows_refuses_counts_that_do_not_match_and_changes_nothing(
+    monkeypatch,
+):
+    """The kernel checks the counts itself (one a row, none negative, adding
+    up to the slots): numba reads without bounds, and an assert before the
+    call vanished under `python -O`."""
+    monkeypatch.setattr(integrity, "CHECK", False)  # not the deep checks'
+    pool = make_pool(a=[12, 13], b=[20])
+    rows = pool.rows(["a", "b"])
+    before = snapshot(pool, "a"), snapshot(pool, "b")
+    for counts, slots, why in (
+        ([1, 2], [40, 41], "add up"),
+        ([1, 1], [40, 41, 42], "add up"),
+        ([1], [40], "a count per row"),
+        ([2, -1], [40], "negative"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            pool.append_rows(rows, np.array(counts), np.array(slots))
+    assert_same(snapshot(pool, "a"), before[0])
+    assert_same(snapshot(pool, "b"), before[1])
+
+
 def test_positional_slots_take_the_tail_block_then_the_lists():
     """The scheduler's slotting (slot_spans, positional_slots): a row mid-
     block continues in its tail block, one at a block's end starts the next

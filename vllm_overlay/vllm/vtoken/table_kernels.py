@@ -128,10 +128,21 @@ def append_rows(
     Tokens never slotted before are born live and listed last; re-slotted
     ones keep their bit. Every live token's block counts it. Returns the
     number of new tokens, or -1, nothing changed, if a row's region is too
-    small (arena.reserve, then again: rarely, a region doubles)."""
+    small (arena.reserve, then again: rarely, a region doubles). Counts that
+    are not one a row, negative, or not adding up to the slots raise (a
+    NumPy sum before the call cost ~17 µs at 1,024 rows, cold)."""
+    if counts.size != rows.size:
+        raise ValueError("append_rows: not a count per row")
+    short, need = False, 0
     for i in range(rows.size):
-        if n_slotted[rows[i]] + counts[i] > cap[rows[i]]:
-            return -1
+        if counts[i] < 0:
+            raise ValueError("append_rows: a negative count")
+        need += counts[i]
+        short |= n_slotted[rows[i]] + counts[i] > cap[rows[i]]
+    if need != slots.size:
+        raise ValueError("append_rows: counts do not add up to the slots")
+    if short:
+        return -1
     k = total = 0
     for i in range(rows.size):
         r = rows[i]
