@@ -46,15 +46,22 @@ _jit = {"cache": True, "nogil": True}
 KEYS = {"score": 0, "index": 1, "hash": 2, "persistence": 3}
 
 
-@numba.njit(numba.float64(numba.uint64, numba.int64, numba.int64), **_jit)
-def _hash_uniform(seed, idx, nonce):
-    """selection.hash_uniform of one token, to the bit (splitmix64)."""
+@numba.njit(inline="always")
+def _hash_bits(seed, idx, nonce):
+    """The 53 bits of selection.hash_uniform of one token (splitmix64): the
+    uniform is bits / 2 ** 53, so the bits order tokens as it does."""
     x = seed ^ (numba.uint64(idx) * numba.uint64(0x9E3779B97F4A7C15))
     x ^= numba.uint64(nonce) * numba.uint64(0xD1B54A32D192ED03)
     x = (x ^ (x >> numba.uint64(30))) * numba.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> numba.uint64(27))) * numba.uint64(0x94D049BB133111EB)
     x ^= x >> numba.uint64(31)
-    return np.float64(x >> numba.uint64(11)) / 9007199254740992.0  # 2 ** 53
+    return x >> numba.uint64(11)
+
+
+@numba.njit(numba.float64(numba.uint64, numba.int64, numba.int64), **_jit)
+def _hash_uniform(seed, idx, nonce):
+    """selection.hash_uniform of one token, to the bit (splitmix64)."""
+    return np.float64(_hash_bits(seed, idx, nonce)) / 9007199254740992.0  # 2**53
 
 
 @numba.njit(numba.float64(numba.int64, numba.int64), **_jit)
@@ -142,21 +149,29 @@ def evict_lowest(
             evictable -= 1
         b = min(b, evictable)
         first, lo, nan = min(k, max(b - a, 0)), m, 0
-        if first == 1 and key_kind != 1:
+        if first == 1 and key_kind == 2:
+            # Random's steady state: the hash's integer bits, compared as
+            # they are computed (no float, no NaN to order; ties: earliest).
+            nonce = view[n - 1]
+            best, low = a, _hash_bits(seeds[i], view[a], nonce)
+            for e in range(a + 1, b):
+                h = _hash_bits(seeds[i], view[e], nonce)
+                if h < low:
+                    best, low = e, h
+            out[m] = view[best]
+            m += 1
+        elif first == 1 and key_kind != 1:  # "score", "persistence"
             # The steady state (a token over budget): one pass, each key
             # computed as it is compared, no key array, no second scan.
-            srow = score_rows[i] if key_kind == 0 or key_kind == 3 else -1
+            srow = score_rows[i]
             sbase = score_start[srow] if srow >= 0 else 0
             scap = score_cap[srow] if srow >= 0 else 0
             arow = age_rows[i] if key_kind == 3 else -1
-            nonce = view[n - 1]
             best, low = -1, 0.0
             for e in range(a, b):
                 t = view[e]
                 if key_kind == 0:
                     x = np.float64(acc[sbase + t]) if t < scap else 0.0
-                elif key_kind == 2:
-                    x = _hash_uniform(seeds[i], t, nonce)
                 else:
                     score = np.float64(acc[sbase + t]) if t < scap else 0.0
                     age = age_step[arow] - born[age_start[arow] + t] + 1
