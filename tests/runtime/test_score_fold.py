@@ -157,3 +157,14 @@ def test_a_steps_first_in_order_masses_are_copied_into_the_kept_buffer(aggregate
     pos = torch.arange(50).flip(0)  # a scatter first: from zeros
     np.testing.assert_array_equal(gains([(pos, m1)]), m1.flip(0).numpy())
     np.testing.assert_array_equal(gains([]), np.zeros(50, np.float32))
+    # A rank whose layers read nothing reduces zeros, not the last step's
+    # masses, with the others' (TP/PP: the reduce sums every rank's buffer).
+    other = torch.rand(50)
+    acc = ScoreAccumulator("sum", aggregate=aggregate)
+    acc.begin_step(50)
+    acc.add(None, torch.full((50,), 7.0))
+    acc.take_step(["a"], np.array([0, 50]), np.arange(50), np.array([0, 1]), 1.0)
+    acc.begin_step(50)
+    acc.reduce_step(lambda buf, agg: combine(buf, other))
+    step = acc.take_step(["a"], np.array([0, 50]), np.arange(50), np.array([0, 1]), 1.0)
+    np.testing.assert_array_equal(step.gain, other.numpy())

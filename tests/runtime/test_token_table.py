@@ -655,6 +655,29 @@ def test_append_read_refuses_too_few_slots_and_changes_nothing():
     assert_same(snapshot(pool, "a"), before)
 
 
+def test_append_read_refuses_arrays_that_are_not_one_a_row(monkeypatch):
+    """Like append_rows', append_read's kernel checks its per-row arrays
+    itself: numba reads without bounds."""
+    monkeypatch.setattr(integrity, "CHECK", False)
+    pool = make_pool(a=[12, 13], b=[20])
+    rows, before = pool.rows(["a", "b"]), (snapshot(pool, "a"), snapshot(pool, "b"))
+    cols = [pool._a.cols[c] for c in ("n_tokens", "n_slotted", "n_live", "n_listed")]
+    for computed, counts, scored, why in (
+        ([2, 1], [1], [False, False], "one count"),
+        ([2], [1, 1], [False, False], "one count"),
+        ([2, 1], [1, 1], [False], "one count"),
+        ([2, 1], [2, -1], [False, False], "negative"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            pool._k.append_read(
+                rows, np.array(computed), np.array(counts), np.array([14, 21]),
+                np.array(scored), False, pool._a.start, pool._a.cap, *cols,
+                pool._slot, pool._a.data["live"], pool._listed, pool.block_live, B,
+            )  # fmt: skip
+    assert_same(snapshot(pool, "a"), before[0])
+    assert_same(snapshot(pool, "b"), before[1])
+
+
 def test_append_rows_kernel_refuses_a_short_region_and_changes_nothing():
     """The kernel checks the regions itself (the pool reserves only when it
     says so, a region doubling): a row past its region's end changes no

@@ -93,9 +93,9 @@ class CpuReadPlan:
     # Derived once a step, not once a layer: `valid`'s complement shaped for
     # the logits [R, 1, 1, W], the flat positions of the valid entries of
     # [R, W] (the masses' gather), both None when no request is padded (every
-    # request at its budget: no mask, the masses in order), and whether
-    # `score_pos` is every key in order (a read of decodes only: the masses
-    # add to the step buffer as is).
+    # request at its budget: no mask, the masses in order), and whether the
+    # masses come in for every key in order (a read of decodes only: they
+    # add to the step buffer as is, and `score_pos` is left empty).
     pad: torch.Tensor | None
     valid_at: torch.Tensor | None
     scores_in_order: bool

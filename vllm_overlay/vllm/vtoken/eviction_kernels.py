@@ -16,7 +16,9 @@ token once:
               the k lowest unprotected evictable (ties: earliest), then the
               protected evictable earliest first  (selection_kernels.lowest;
               k = 1, the steady state: keys computed as the one scan goes)
-              sorted ascending, evicted in place  (table_kernels.evict_rows)
+              sorted ascending
+    then      every row's victims killed in one loop (table_kernels.kill_rows,
+              as evict_rows does; rows are distinct, so no choice reads a kill)
 
 It chooses exactly what `evict_batch` + `selection_kernels.lowest` choose
 (tests/runtime/test_eviction_kernels.py; `VTOKEN_CHECK_INTEGRITY=1` compares

@@ -364,9 +364,13 @@ def append_read(
     a query token is dead (a resumed request recomputes it), so the keys,
     which list live tokens only, are not the read's (context.read_keys)."""
     R = rows.size
+    if computed.size != R or counts.size != R or scored.size != R:
+        raise ValueError("append_read: not one count, computed and flag a row")
     status = total = 0
     for i in range(R):
         r = rows[i]
+        if counts[i] < 0:
+            raise ValueError("append_read: a negative count")
         hits = max(computed[i] - n_slotted[r], 0)
         if hits and not with_hits:
             status |= HITS
