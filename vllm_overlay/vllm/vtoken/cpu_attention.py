@@ -150,9 +150,8 @@ def build_cpu_read_plan(
 
 
 _NO_ROWS = np.zeros(0, np.int64)
-_NO_SLOTS = torch.zeros(
-    0, dtype=torch.int64
-)  # a step of decodes: other_slots, score_pos
+# A step of decodes' other_slots and score_pos.
+_NO_SLOTS = torch.zeros(0, dtype=torch.int64)
 
 
 @functools.cache

@@ -151,7 +151,11 @@ def evict_lowest(
             evictable -= 1
         b = min(b, evictable)
         first, lo, nan = min(k, max(b - a, 0)), m, 0
-        if first == 1 and key_kind == 2:
+        if key_kind == 1:  # the lowest keys are the first candidates
+            for e in range(a, a + first):
+                out[m] = view[e]
+                m += 1
+        elif first == 1 and key_kind == 2:
             # Random's steady state: the hash's integer bits, compared as
             # they are computed (no float, no NaN to order; ties: earliest).
             nonce = view[n - 1]
@@ -162,7 +166,7 @@ def evict_lowest(
                     best, low = e, h
             out[m] = view[best]
             m += 1
-        elif first == 1 and key_kind != 1:  # "score", "persistence"
+        elif first == 1:  # "score", "persistence"
             # The steady state (a token over budget): one pass, each key
             # computed as it is compared, no key array, no second scan.
             srow = score_rows[i]
@@ -182,7 +186,7 @@ def evict_lowest(
                     best, low = e, x
             out[m] = view[best]
             m += 1
-        elif key_kind != 1:  # the logical index needs none: the view ascends
+        else:  # keys, then k scans or a sort (the logical index needs none)
             srow = score_rows[i] if key_kind == 0 or key_kind == 3 else -1
             sbase = score_start[srow] if srow >= 0 else 0
             scap = score_cap[srow] if srow >= 0 else 0
@@ -199,40 +203,34 @@ def evict_lowest(
                     key[e] = _unimportance(score, age, window, seen_at)
                 nan += np.isnan(key[e])
                 taken[e] = False
-        if first == 1 and key_kind != 1:
-            pass  # taken above
-        elif key_kind == 1:  # the lowest keys are the first candidates
-            for e in range(a, a + first):
-                out[m] = view[e]
-                m += 1
-        elif first <= _FEW:  # k scans (_before: NaN after every number)
-            for _ in range(first):
-                best = -1
+            if first <= _FEW:  # k scans (_before: NaN after every number)
+                for _ in range(first):
+                    best = -1
+                    for e in range(a, b):
+                        if not taken[e] and (best < 0 or _before(key[e], key[best])):
+                            best = e
+                    taken[best] = True
+                    out[m] = view[best]
+                    m += 1
+            else:  # a stable sort of the real keys, then the NaN ones in order
+                real = 0
                 for e in range(a, b):
-                    if not taken[e] and (best < 0 or _before(key[e], key[best])):
-                        best = e
-                taken[best] = True
-                out[m] = view[best]
-                m += 1
-        else:  # a stable sort of the real keys, then the NaN ones in order
-            real = 0
-            for e in range(a, b):
-                if not np.isnan(key[e]):
-                    cand[real] = e
-                    real += 1
-            order = np.argsort(key[cand[:real]], kind="mergesort")
-            q = 0
-            while q < first and q < real:
-                out[m] = view[cand[order[q]]]
-                m += 1
-                q += 1
-            for e in range(a, b if nan else a):
-                if q >= first:
-                    break
-                if np.isnan(key[e]):
-                    out[m] = view[e]
+                    if not np.isnan(key[e]):
+                        cand[real] = e
+                        real += 1
+                order = np.argsort(key[cand[:real]], kind="mergesort")
+                q = 0
+                while q < first and q < real:
+                    out[m] = view[cand[order[q]]]
                     m += 1
                     q += 1
+                for e in range(a, b if nan else a):
+                    if q >= first:
+                        break
+                    if np.isnan(key[e]):
+                        out[m] = view[e]
+                        m += 1
+                        q += 1
         left = k - first  # then the protected evictable ones, oldest first
         for e in range(evictable):
             if left == 0:
