@@ -202,3 +202,150 @@ def test_step_after_step_the_rule_leaves_the_tables_as_evict_batch_does(
     got, want = run_steps(policy, seed), run_steps(ref, seed)
     assert sum(len(s[2]) for s in got[::3]) > 0  # it evicted
     assert got == want
+
+
+def decode_steps(policy, seed, steps=40, num_reqs=12, tamper=None):
+    """Steps of decodes as the engine runs them: a token each, every live
+    key scored (the worker reads them all), one victim a request at its
+    budget. Some steps perturb a request after its fold: preempted and
+    resumed (its scores restart), a token slotted or evicted with no fold
+    after it, attended short of the slotted. After each step, what was
+    evicted and the tables."""
+    rng = np.random.default_rng(seed)
+    rt, pool, acc = runtime(policy, 4096)
+    rids, top, out = [f"r{i}" for i in range(num_reqs)], 0, []
+    for rid in rids:
+        n = int(rng.integers(1, 12))
+        rt.sync_new_tokens(rid, np.arange(top, top + n))
+        top += n
+    for t in range(steps):
+        for rid in rids:
+            keys = pool.live_idx(rid)
+            gain = rng.integers(0, 3, keys.size).astype(np.float32)  # ties
+            gain[rng.random(keys.size) < 0.05] = np.nan
+            ind = np.array([0, keys.size])
+            acc.fold(ScoreStep(req_ids=[rid], indptr=ind, key_idx=keys, gain=gain))
+        attended = np.array([pool.num_slotted(r) for r in rids])
+        for i, rid in enumerate(rids):  # after the fold, before the eviction
+            what = rng.random()
+            if what < 0.04:  # preempted, then its tokens slotted again
+                n = pool.num_slotted(rid)
+                pool.reset_slots(rid)
+                acc.release(rid)
+                rt.sync_new_tokens(rid, np.arange(top, top + n))
+                top += n
+            elif what < 0.08:  # a token slotted, not yet read
+                rt.sync_new_tokens(rid, np.array([top]))
+                top += 1
+            elif what < 0.12 and pool.num_live(rid) > 1:  # one evicted by hand
+                pool.evict(rid, pool.live_idx(rid)[:1])
+            elif what < 0.16:
+                attended[i] -= 1
+        if tamper is not None:
+            tamper(t, acc, pool, rids)
+        out.append([x.tolist() for x in rt.enforce_budgets(rids, attended)])
+        a = pool._a
+        out.append([a.data["listed"].tolist(), a.data["live"].tolist()])
+        out.append([c.tolist() for c in a.cols.values()] + [pool.block_live.tolist()])
+        pool.check_integrity()
+        for rid in rids:  # the step's new token
+            rt.sync_new_tokens(rid, np.array([top]))
+            top += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,budget,knobs",
+    [
+        ("h2o", 6, RULES["h2o"]),
+        ("h2o", 6, {"recent_ratio": 0.0}),
+        ("snapkv", 6, RULES["snapkv"]),
+        ("snapkv", 2, RULES["snapkv"]),
+    ],
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_steps_evict_what_evict_batch_does_with_the_fold_s_choice(
+    name, budget, knobs, seed, monkeypatch
+):
+    """A "score" rule's one victim comes from the fold (fold_kernels.fold)
+    when the row is as the fold saw it, from the walk otherwise: either way
+    what evict_batch picks, and the tables it leaves (SnapKV's window of 3
+    over a budget of 2: the fold finds no victim, every candidate recent;
+    H2O without a recent window: only the newest token is kept)."""
+    monkeypatch.setattr(integrity, "CHECK", False)
+    policy = create_policy(name, budget, knobs)
+    ref = generic(policy)
+    if name == "snapkv":
+        for pol in (policy, ref):
+            pol._pooled.update(f"r{i}" for i in range(12))
+    got, want = decode_steps(policy, seed), decode_steps(ref, seed)
+    ones = sum(c == 1 for s in got[::3] for c in s[1])
+    assert ones > 300  # mostly one victim a request: the fold's case
+    assert got == want
+
+
+CHANGES = [None, "slotted and evicted", "evicted", "unslotted", "rule", "attended"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_the_fold_s_choice_is_taken_without_a_walk_while_the_row_is_unchanged(
+    change, monkeypatch
+):
+    """The eviction takes the fold's choice as it stands (moved by hand here
+    to a token the walk would not pick, it is still evicted: nothing walked)
+    unless the row changed since the fold: as many live tokens but one
+    slotted and one evicted; one evicted (from two over the budget to one);
+    a live token not slotted (preempted, a dead query read, as many keys as
+    live tokens); or the rule is another, or the newest token is not
+    attended. Then the walk picks what evict_batch does."""
+    monkeypatch.setattr(integrity, "CHECK", False)
+
+    def run(policy, tamper):
+        rt, pool, acc = runtime(policy, 64)
+
+        def fold(keys, gain):
+            ind = np.array([0, len(keys)])
+            keys, gain = np.array(keys), np.array(gain, np.float32)
+            acc.fold(ScoreStep(req_ids=["r0"], indptr=ind, key_idx=keys, gain=gain))
+
+        rt.sync_new_tokens("r0", np.arange(7))
+        fold(range(7), [9, 0, 0, 9, 9, 9, 9])
+        first = rt.enforce_budgets(["r0"], np.array([7]))[2]  # two: the walk
+        if change == "evicted":  # two over the budget at the fold
+            rt.sync_new_tokens("r0", np.array([7, 8]))
+            fold([0, 3, 4, 5, 6, 7, 8], [0, 0, -5, 0, 0, 9, 0])
+            attended = np.array([9])
+        elif change == "unslotted":  # token 7 live, not slotted; 1 dead, read
+            rt.sync_new_tokens("r0", np.array([7]))
+            pool.reset_slots("r0")
+            rt.sync_new_tokens("r0", np.arange(7))
+            fold([0, 1, 3, 4, 5, 6], [0, 0, 0, -5, 0, 0])
+            attended = np.array([7])
+        else:
+            rt.sync_new_tokens("r0", np.array([7]))
+            fold([0, 3, 4, 5, 6, 7], [0, 0, -5, 0, 0, 0])  # 4 is the lowest
+            attended = np.array([8])
+        if tamper:
+            cols = acc._acc.cols
+            assert cols["rule"][0] == policy.lowest_rule(["r0"]).recent + 1 == 2
+            assert cols["cand"][0] == 4 + 1 or change == "unslotted"
+            cols["cand"][0] = 0 + 1  # moved to token 0
+        if change == "slotted and evicted":
+            rt.sync_new_tokens("r0", np.array([8]))
+            pool.evict("r0", np.array([6]))
+            attended += 1
+        elif change == "evicted":
+            pool.evict("r0", np.array([3]))
+        elif change == "rule" and tamper:
+            acc._acc.cols["rule"][0] += 1
+        elif change == "attended":
+            attended -= 1
+        return first.tolist(), rt.enforce_budgets(["r0"], attended)[2].tolist()
+
+    policy = create_policy("h2o", 5, {"recent_ratio": 0.2})
+    got, want = run(policy, True), run(generic(policy), False)
+    assert got[0] == want[0] == [1, 2]
+    if change is None:
+        assert (got[1], want[1]) == ([0], [4])
+    else:
+        assert got[1] == want[1] != [0]

@@ -10,7 +10,8 @@ ten times. A built-in states its choice as a `LowestRule` instead
 (policies/base.py), and this loop applies it row by row, reading each live
 token once:
 
-    per row   (none wanted: skipped, its list not walked)
+    per row   (none wanted: skipped, its list not walked; one wanted by a
+              "score" rule, the fold's choice still valid: taken, not walked)
               walk its live list      -> entries e = 0..n-1 (logical idx t_e)
               key_e, evictable_e, protected_e
               the k lowest unprotected evictable (ties: earliest), then the
@@ -92,9 +93,10 @@ def _unimportance(score, age, window, seen_at):
         # the batch and the rule
         _i64, _i64, _i64, _u64, numba.int64, numba.int64, numba.int64,
         # the Token Tables (TokenTablePool's arena)
-        _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64,
-        # the running scores (ScoreAccumulator's arena; rows -1: none)
-        _i64, _i64, _i64, _f32,
+        _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64,
+        # the running scores (ScoreAccumulator's arena; rows -1: none) and
+        # the fold's next victims (its columns: rule, cand, cand_end, cand_keys)
+        _i64, _i64, _i64, _f32, _i64, _i64, _i64, _i64,
         # "persistence": the window and the arrival steps (ArrivalSteps')
         numba.int64, _i64, _i64, _i64, _i64,
     ),
@@ -102,8 +104,9 @@ def _unimportance(score, age, window, seen_at):
 )  # fmt: skip
 def evict_lowest(
     rows, want, attended, seeds, key_kind, recent, sinks,
-    start, n_slotted, n_live, n_listed, listed, live, slot, block_live, block_size,
-    score_rows, score_start, score_cap, acc,
+    start, n_tokens, n_slotted, n_live, n_listed, listed, live, slot, block_live,
+    block_size,
+    score_rows, score_start, score_cap, acc, rule, cand, cand_end, cand_keys,
     window, age_rows, age_start, born, age_step,
 ):  # fmt: skip
     """(counts, idx): row rows[i] loses up to want[i] live slotted tokens,
@@ -126,13 +129,31 @@ def evict_lowest(
     view = np.empty(longest, np.int64)  # the row's live tokens, in order
     key = np.empty(longest, np.float64)
     taken = np.zeros(longest, np.bool_)
-    cand = np.empty(longest, np.int64)
+    real_at = np.empty(longest, np.int64)  # the sort's entries with a real key
     m = 0
     for i in range(num):
         r = rows[i]
         base, end, k = start[r], n_slotted[r], max(want[i], 0)
         if k == 0:
             continue
+        if key_kind == 0 and sinks == 0 and score_rows[i] >= 0:
+            # The fold's choice (fold_kernels.fold), if taken for this rule
+            # from this row's live tokens as they are: every known token
+            # slotted and attended, the keys as many as the live and ending
+            # at the newest (a token evicted or slotted since changes one).
+            # Then no walk.
+            srow, c = score_rows[i], cand[score_rows[i]] - 1
+            same = rule[srow] == recent + 1 and cand_keys[srow] == n_live[r]
+            rule[srow] = recent + 1  # the next fold finds this row's victim
+            if (
+                k == 1 and same and c >= 0  # c < 0: the fold found none
+                and cand_end[srow] == end and attended[i] == end
+                and n_tokens[r] == end
+            ):  # fmt: skip
+                out[m] = c
+                m += 1
+                counts[i] = 1
+                continue
         n = 0
         for j in range(base, base + n_listed[r]):
             t = listed[j]
@@ -216,12 +237,12 @@ def evict_lowest(
                 real = 0
                 for e in range(a, b):
                     if not np.isnan(key[e]):
-                        cand[real] = e
+                        real_at[real] = e
                         real += 1
-                order = np.argsort(key[cand[:real]], kind="mergesort")
+                order = np.argsort(key[real_at[:real]], kind="mergesort")
                 q = 0
                 while q < first and q < real:
-                    out[m] = view[cand[order[q]]]
+                    out[m] = view[real_at[order[q]]]
                     m += 1
                     q += 1
                 for e in range(a, b if nan else a):

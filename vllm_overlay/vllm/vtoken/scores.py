@@ -83,7 +83,13 @@ class ScoreAccumulator:
         self.aggregate = aggregate
         self.query_window = query_window
         self.device = torch.device(device)
-        self._acc = RowArena({"acc": (np.float32, 0.0)})
+        # Per row beside its scores: the next victim of its "score" rule,
+        # found by the fold (fold_kernels.fold: `rule` is the rule's recent
+        # + 1, set by the eviction; `cand` the token + 1, valid for the
+        # `cand_end` and `cand_keys` it was taken at).
+        self._acc = RowArena(
+            {"acc": (np.float32, 0.0)}, ("rule", "cand", "cand_end", "cand_keys")
+        )
         # The rows of the last batch folded, and read (arena_of).
         self._folded, self._read = BatchMemo(self._acc), BatchMemo(self._acc)
         from vllm.vtoken import fold_kernels  # numba: only with vToken on
@@ -227,10 +233,14 @@ class ScoreAccumulator:
         )
         # Added, or with a window a moving average (not a count); a region
         # grows (rarely: it doubles) before the fold that needs it.
+        c = acc.cols
+        cand = c["rule"], c["cand"], c["cand_end"], c["cand_keys"]
         step_args, w = (rows, indptr, idx, gain), self.window or 0
-        if not self._k.fold(*step_args, acc.start, acc.cap, acc.data["acc"], w):
+        if not self._k.fold(*step_args, acc.start, acc.cap, acc.data["acc"], w, *cand):
             acc.reserve(rows, np.maximum.reduceat(idx, indptr[:-1]) + 1)
-            done = self._k.fold(*step_args, acc.start, acc.cap, acc.data["acc"], w)
+            done = self._k.fold(
+                *step_args, acc.start, acc.cap, acc.data["acc"], w, *cand
+            )
             assert done, "fold: regions reserved, yet short"
 
     def scores(self, req_id: str, idx: np.ndarray) -> np.ndarray:
@@ -250,12 +260,17 @@ class ScoreAccumulator:
         return self._k.gather(rows, seg, idx, a.start, a.cap, a.data["acc"])
 
     def arena_of(self, req_ids: list[str]):
-        """(rows, start, cap, acc): where the scores of `req_ids` are (rows
-        -1: never scored), for a compiled pass to read them in place (the
-        one-pass eviction: TokenTablePool.evict_lowest)."""
+        """(rows, start, cap, acc, rule, cand, cand_end, cand_keys): where
+        the scores of `req_ids` are (rows -1: never scored) and the per-row
+        columns of the fold's next victim, for a compiled pass to read them
+        in place (the one-pass eviction: TokenTablePool.evict_lowest)."""
         a = self._acc
         (rows,) = self._read.get(req_ids, lambda ids: (a.rows_or_missing(ids),))
-        return rows, a.start, a.cap, a.data["acc"]
+        c = a.cols
+        return (
+            rows, a.start, a.cap, a.data["acc"],
+            c["rule"], c["cand"], c["cand_end"], c["cand_keys"],
+        )  # fmt: skip
 
     def release(self, req_id: str) -> None:
         """Forgets a request's scores (finished, or preempted: they restart)."""

@@ -310,12 +310,16 @@ class TokenTablePool:
         one pass (eviction_kernels.evict_lowest): row rows[i] (distinct)
         loses up to want[i] of its live slotted tokens, those from
         attended[i] - 1 on protected. `seeds` (uint64 [R]): the rows' batch
-        seeds; `scores`: (rows, start, cap, acc) of the running scores'
-        arena (ScoreAccumulator.arena_of), for a "score" key. Returns
+        seeds; `scores`: the running scores' arena and the fold's next
+        victims (ScoreAccumulator.arena_of), for a "score" key. Returns
         (counts, idx), idx row by row, ascending."""
         ek = _eviction_kernels()
         none = np.zeros(0, np.int64)
-        s_rows, s_start, s_cap, acc = scores or (*[none] * 3, np.zeros(0, np.float32))
+        s_rows, s_start, s_cap, acc, *cand = scores or (
+            *[none] * 3,
+            np.zeros(0, np.float32),
+            *[none] * 4,
+        )
         a_rows, a_start, born, a_step = rule.ages or (none,) * 4
         score_key = rule.key in ("score", "persistence")
         assert not score_key or scores is not None, "a score key needs scores"
@@ -325,9 +329,9 @@ class TokenTablePool:
             np.asarray(rows, np.int64), np.asarray(want, np.int64),
             np.asarray(attended, np.int64), np.asarray(seeds, np.uint64),
             ek.KEYS[rule.key], int(rule.recent), int(rule.sinks),
-            self._a.start, c["n_slotted"], c["n_live"], c["n_listed"],
-            a["listed"], a["live"], a["slot"], self.block_live,
-            self.block_size, s_rows, s_start, s_cap, acc,
+            self._a.start, c["n_tokens"], c["n_slotted"], c["n_live"],
+            c["n_listed"], a["listed"], a["live"], a["slot"], self.block_live,
+            self.block_size, s_rows, s_start, s_cap, acc, *cand,
             int(rule.window), a_rows, a_start, born, a_step,
         )  # fmt: skip
         self._total_live -= idx.size
