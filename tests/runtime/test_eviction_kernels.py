@@ -284,7 +284,10 @@ def test_decode_steps_evict_what_evict_batch_does_with_the_fold_s_choice(
     assert got == want
 
 
-CHANGES = [None, "slotted and evicted", "evicted", "unslotted", "rule", "attended"]
+CHANGES = [
+    None, "slotted and evicted", "evicted", "unslotted", "unordered", "rule",
+    "attended",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("change", CHANGES)
@@ -296,8 +299,9 @@ def test_the_fold_s_choice_is_taken_without_a_walk_while_the_row_is_unchanged(
     unless the row changed since the fold: as many live tokens but one
     slotted and one evicted; one evicted (from two over the budget to one);
     a live token not slotted (preempted, a dead query read, as many keys as
-    live tokens); or the rule is another, or the newest token is not
-    attended. Then the walk picks what evict_batch does."""
+    live tokens); keys folded out of order; or the rule is another, or the
+    newest token is not attended. Then the walk picks what evict_batch
+    does."""
     monkeypatch.setattr(integrity, "CHECK", False)
 
     def run(policy, tamper):
@@ -321,6 +325,10 @@ def test_the_fold_s_choice_is_taken_without_a_walk_while_the_row_is_unchanged(
             rt.sync_new_tokens("r0", np.arange(7))
             fold([0, 1, 3, 4, 5, 6], [0, 0, 0, -5, 0, 0])
             attended = np.array([7])
+        elif change == "unordered":  # keys not in the worker's order
+            rt.sync_new_tokens("r0", np.array([7]))
+            fold([3, 0, 4, 5, 6, 7], [0, 0, -5, 0, 0, 0])
+            attended = np.array([8])
         else:
             rt.sync_new_tokens("r0", np.array([7]))
             fold([0, 3, 4, 5, 6, 7], [0, 0, -5, 0, 0, 0])  # 4 is the lowest
@@ -328,7 +336,7 @@ def test_the_fold_s_choice_is_taken_without_a_walk_while_the_row_is_unchanged(
         if tamper:
             cols = acc._acc.cols
             assert cols["rule"][0] == policy.lowest_rule(["r0"]).recent + 1 == 2
-            assert cols["cand"][0] == 4 + 1 or change == "unslotted"
+            assert cols["cand"][0] == 4 + 1 or change in ("unslotted", "unordered")
             cols["cand"][0] = 0 + 1  # moved to token 0
         if change == "slotted and evicted":
             rt.sync_new_tokens("r0", np.array([8]))

@@ -35,7 +35,8 @@ def fold(
     A row evicted by a "score" rule (rule[row] = its `recent` + 1, set by
     eviction_kernels.evict_lowest) also gets its next victim, as the fold
     meets the scores: the step's keys are the row's live slotted tokens,
-    ascending, so a rule wanting one victim would take the lowest of them
+    ascending (the worker's read; keys out of order get none), so a rule
+    wanting one victim would take the lowest of them
     but the newest and the `recent` before it (ties: the earliest; NaN
     last). cand[row] = that token + 1 (0: none), valid for the key set it
     was taken from: cand_end[row] = its last key + 1, cand_keys[row] = how
@@ -61,6 +62,7 @@ def fold(
             continue
         # The candidates: keys [lo, b), past neither the newest nor `recent`.
         b, low = min(hi - (rule[r] - 1), hi - 1), np.float32(np.inf)
+        ascending, last = True, -1
         for j in range(lo, hi):
             p = base + idx[j]
             if window > 0:
@@ -68,8 +70,12 @@ def fold(
             else:
                 v = acc[p] + gain[j]
             acc[p] = v
+            ascending &= idx[j] > last
+            last = idx[j]
             if j < b:  # branch-free min: NaN is never below (compared last)
                 low = min(low, v)
+        if not ascending:  # not the worker's read order: no choice
+            b = lo
         best = lo if b > lo else -1  # none below inf: all NaN or inf
         for j in range(lo, b):
             if acc[base + idx[j]] == low:  # the earliest of the lowest
@@ -77,7 +83,7 @@ def fold(
                 break
         cand[r] = idx[best] + 1 if best >= 0 else 0
         cand_end[r] = idx[hi - 1] + 1 if hi > lo else 0
-        cand_keys[r] = hi - lo
+        cand_keys[r] = hi - lo if ascending else -1  # -1: never valid
     return True
 
 

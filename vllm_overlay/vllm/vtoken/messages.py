@@ -89,8 +89,10 @@ class VTokenStep:
 @dataclass(frozen=True, kw_only=True)
 class ScoreStep:
     """One step's score gains (scores.py): request req_ids[r]'s keys are
-    entries [indptr[r], indptr[r + 1]) of `key_idx` (logical tokens) and
-    `gain` (what the step adds to each token's score)."""
+    entries [indptr[r], indptr[r + 1]) of `key_idx` (logical tokens,
+    distinct; the worker's are ascending, which the fold's choice of the
+    next victim needs) and `gain` (what the step adds to each token's
+    score)."""
 
     req_ids: list[str]
     indptr: np.ndarray  # int64 [R + 1]
