@@ -204,27 +204,30 @@ def test_step_after_step_the_rule_leaves_the_tables_as_evict_batch_does(
     assert got == want
 
 
-def decode_steps(policy, seed, steps=40, num_reqs=12, tamper=None):
-    """Steps of decodes as the engine runs them: a token each, every live
-    key scored (the worker reads them all), one victim a request at its
-    budget. Some steps perturb a request after its fold: preempted and
-    resumed (its scores restart), a token slotted or evicted with no fold
-    after it, attended short of the slotted. After each step, what was
-    evicted and the tables."""
+def decode_steps(policy, seed, steps=40, num_reqs=20):
+    """Steps of decodes as the engine runs them: a token each, the live keys
+    of most requests scored in one multi-request step (the worker reads
+    them all; gains with ties, NaN, infinities and -0.0), one victim a
+    request at its budget. Some steps perturb a request after its fold:
+    preempted and resumed (its scores restart), a token slotted or evicted
+    with no fold after it, attended short of the slotted. Returns, after
+    each step, what was evicted and the tables; and how many one-victim
+    evictions found the fold's choice valid (taken without a walk)."""
     rng = np.random.default_rng(seed)
     rt, pool, acc = runtime(policy, 4096)
-    rids, top, out = [f"r{i}" for i in range(num_reqs)], 0, []
+    rids, top, out, ready = [f"r{i}" for i in range(num_reqs)], 0, [], 0
     for rid in rids:
         n = int(rng.integers(1, 12))
         rt.sync_new_tokens(rid, np.arange(top, top + n))
         top += n
-    for t in range(steps):
-        for rid in rids:
-            keys = pool.live_idx(rid)
-            gain = rng.integers(0, 3, keys.size).astype(np.float32)  # ties
-            gain[rng.random(keys.size) < 0.05] = np.nan
-            ind = np.array([0, keys.size])
-            acc.fold(ScoreStep(req_ids=[rid], indptr=ind, key_idx=keys, gain=gain))
+    values = np.array([0, 1, 2, -0.0, np.nan, np.inf, -np.inf], np.float32)
+    for _ in range(steps):
+        read = [r for r in rids if pool.num_live(r) and rng.random() < 0.9]
+        keys = [pool.live_idx(r) for r in read]
+        gain = values[rng.choice(7, sum(map(len, keys)), p=[0.28] * 3 + [0.04] * 4)]
+        ind = np.cumsum([0] + [k.size for k in keys])
+        key_idx = np.concatenate(keys + [np.zeros(0, np.int64)])
+        acc.fold(ScoreStep(req_ids=read, indptr=ind, key_idx=key_idx, gain=gain))
         attended = np.array([pool.num_slotted(r) for r in rids])
         for i, rid in enumerate(rids):  # after the fold, before the eviction
             what = rng.random()
@@ -241,8 +244,7 @@ def decode_steps(policy, seed, steps=40, num_reqs=12, tamper=None):
                 pool.evict(rid, pool.live_idx(rid)[:1])
             elif what < 0.16:
                 attended[i] -= 1
-        if tamper is not None:
-            tamper(t, acc, pool, rids)
+        ready += fold_choices_valid(policy, rt, pool, acc, rids, attended)
         out.append([x.tolist() for x in rt.enforce_budgets(rids, attended)])
         a = pool._a
         out.append([a.data["listed"].tolist(), a.data["live"].tolist()])
@@ -251,7 +253,28 @@ def decode_steps(policy, seed, steps=40, num_reqs=12, tamper=None):
         for rid in rids:  # the step's new token
             rt.sync_new_tokens(rid, np.array([top]))
             top += 1
-    return out
+    return out, ready
+
+
+def fold_choices_valid(policy, rt, pool, acc, rids, attended):
+    """How many of `rids` the eviction will take the fold's choice for
+    (eviction_kernels.evict_lowest's conditions, read from outside)."""
+    rule = policy.lowest_rule(rids)
+    if rule is None or rule.key != "score" or rule.sinks:
+        return 0
+    cols, c, n = acc._acc.cols, pool._a.cols, 0
+    for rid, att in zip(rids, attended.tolist(), strict=True):
+        row, srow = pool.rows([rid])[0], acc._acc.index.get(rid)
+        live, end = c["n_live"][row], c["n_slotted"][row]
+        n += bool(
+            srow is not None
+            and live - rt.budget == 1
+            and cols["rule"][srow] == rule.recent + 1
+            and cols["cand"][srow] > 0
+            and cols["cand_keys"][srow] == live
+            and cols["cand_end"][srow] == end == c["n_tokens"][row] == att
+        )
+    return n
 
 
 @pytest.mark.parametrize(
@@ -277,10 +300,11 @@ def test_decode_steps_evict_what_evict_batch_does_with_the_fold_s_choice(
     ref = generic(policy)
     if name == "snapkv":
         for pol in (policy, ref):
-            pol._pooled.update(f"r{i}" for i in range(12))
-    got, want = decode_steps(policy, seed), decode_steps(ref, seed)
+            pol._pooled.update(f"r{i}" for i in range(20))
+    (got, ready), (want, _) = decode_steps(policy, seed), decode_steps(ref, seed)
     ones = sum(c == 1 for s in got[::3] for c in s[1])
-    assert ones > 300  # mostly one victim a request: the fold's case
+    assert ones > 400  # mostly one victim a request: the fold's case
+    assert ready > ones // 2 or budget < 3  # taken without a walk
     assert got == want
 
 

@@ -40,10 +40,12 @@ def fold(
     but the newest and the `recent` before it (ties: the earliest; NaN
     last). cand[row] = that token + 1 (0: none), valid for the key set it
     was taken from: cand_end[row] = its last key + 1, cand_keys[row] = how
-    many (evict_lowest takes it only if the row still has as many live
-    tokens and as many slotted: no token was evicted or slotted since).
-    The next eviction then walks no live list (at 1,024 requests the walk
-    was ~150 of evict_lowest's ~190 µs; the choice costs the fold ~20)."""
+    many (-1: keys out of order, never valid). evict_lowest takes it only
+    for one victim under the same rule, the row with as many live tokens
+    as keys and every known token slotted and attended up to cand_end: no
+    token evicted or slotted since (DESIGN.md §3.2). The next eviction then
+    walks no live list (at 1,024 requests, in-engine: evict_lowest ~180-280
+    -> 37 µs; the choice costs the fold ~20-35 µs)."""
     for i in range(rows.size):
         for j in range(indptr[i], indptr[i + 1]):
             if idx[j] >= cap[rows[i]]:
@@ -72,7 +74,9 @@ def fold(
             acc[p] = v
             ascending &= idx[j] > last
             last = idx[j]
-            if j < b:  # branch-free min: NaN is never below (compared last)
+            # Branch-free: min(low, v) is `v if v < low else low`, so a NaN
+            # v never enters (the argument order matters).
+            if j < b:
                 low = min(low, v)
         if not ascending:  # not the worker's read order: no choice
             b = lo
