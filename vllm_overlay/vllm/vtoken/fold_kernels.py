@@ -36,16 +36,16 @@ def fold(
     eviction_kernels.evict_lowest) also gets its next victim, as the fold
     meets the scores: the step's keys are the row's live slotted tokens,
     ascending (the worker's read; keys out of order get none), so a rule
-    wanting one victim would take the lowest of them
-    but the newest and the `recent` before it (ties: the earliest; NaN
-    last). cand[row] = that token + 1 (0: none), valid for the key set it
-    was taken from: cand_end[row] = its last key + 1, cand_keys[row] = how
-    many (-1: keys out of order, never valid). evict_lowest takes it only
-    for one victim under the same rule, the row with as many live tokens
-    as keys and every known token slotted and attended up to cand_end: no
-    token evicted or slotted since (DESIGN.md §3.2). The next eviction then
-    walks no live list (at 1,024 requests, in-engine: evict_lowest ~180-280
-    -> 37 µs; the choice costs the fold ~20-35 µs)."""
+    wanting one victim would take the lowest of them but the newest and the
+    `recent` before it (ties: the earliest; NaN last). cand[row] = that
+    token + 1 (0: none), valid for the key set it was taken from:
+    cand_end[row] = its last key + 1, cand_keys[row] = how many (-1: keys
+    out of order, never valid). evict_lowest takes it only for one victim
+    under the same rule, the row with as many live tokens as keys and every
+    known token slotted and attended up to cand_end: no token evicted or
+    slotted since (DESIGN.md §3.2). The next eviction then walks no live
+    list (at 1,024 requests, in-engine: evict_lowest ~180-280 -> 37 µs; the
+    choice costs the fold ~20-35 µs)."""
     for i in range(rows.size):
         for j in range(indptr[i], indptr[i + 1]):
             if idx[j] >= cap[rows[i]]:

@@ -233,13 +233,15 @@ class ScoreAccumulator:
         )
         # Added, or with a window a moving average (not a count); a region
         # grows (rarely: it doubles) before the fold that needs it.
-        c = acc.cols
-        cand = c["rule"], c["cand"], c["cand_end"], c["cand_keys"]
+        c = acc.cols  # the next victims' columns (fold_kernels.fold)
+        victims = c["rule"], c["cand"], c["cand_end"], c["cand_keys"]
         step_args, w = (rows, indptr, idx, gain), self.window or 0
-        if not self._k.fold(*step_args, acc.start, acc.cap, acc.data["acc"], w, *cand):
+        if not self._k.fold(
+            *step_args, acc.start, acc.cap, acc.data["acc"], w, *victims
+        ):
             acc.reserve(rows, np.maximum.reduceat(idx, indptr[:-1]) + 1)
             done = self._k.fold(
-                *step_args, acc.start, acc.cap, acc.data["acc"], w, *cand
+                *step_args, acc.start, acc.cap, acc.data["acc"], w, *victims
             )
             assert done, "fold: regions reserved, yet short"
 
