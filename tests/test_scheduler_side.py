@@ -291,8 +291,11 @@ def test_a_block_emptied_while_its_copy_is_in_flight_waits_for_the_ack():
 def test_a_request_due_while_its_batch_is_in_flight_is_planned_after_the_ack():
     """Planning waits for the request's in-flight batch (its slots switch at
     the ack): each step it would have been planned counts as deferred, and
-    its evictions keep counting towards the next plan, which the step after
-    the ack makes (marking them planned)."""
+    its evictions keep counting towards the next plan, which comes once the
+    ack has landed and the request has a block's worth of holes (a plan
+    with fewer would move nothing: it used to be made anyway, and marked the
+    request planned, so the plan with work waited for a block's worth of
+    evictions more)."""
     from vllm.vtoken.messages import VTokenWorkerOutput
 
     kv, vt, req = setup("vtoken", blocks=32)
@@ -305,7 +308,14 @@ def test_a_request_due_while_its_batch_is_in_flight_is_planned_after_the_ack():
     assert vt.counters.deferred_plans == 5 and since() == 8  # due from the 4th
     vt.on_output(VTokenWorkerOutput(acked_batches=[0]))
     vt.check_integrity()
-    step(kv, vt, req, 1, running=[req], ack=False)
+    # The ack freed b0 and this step's eviction empties another block: 15
+    # dead less 3 freed blocks leave 3 holes at most, short of a block.
+    assert step(kv, vt, req, 1, running=[req], ack=False).moves is None
+    assert vt.counters.deferred_plans == 5 and since() == 9  # not planned
+    assert vt.pool.num_nulls_rows(vt.pool.rows(["A"])).tolist() == [3]
+    # One more death makes 4 holes: planned at once.
+    second = step(kv, vt, req, 1, running=[req], ack=False).moves
+    assert second is not None and second.batch_id == 1
     assert vt.counters.deferred_plans == 5 and since() == 0
 
 
@@ -661,8 +671,8 @@ def test_a_block_emptied_of_tokens_moved_into_it_is_freed_where_it_is():
     assert vt.pool.slots("A")[0] == b1 * B and kv.get_block_ids("A")[0][0] == 0
     free = kv.block_pool.get_num_free_blocks()
     dead = vt.pool.evict("A", np.array([0, 7]))  # b1's two live tokens
-    vt.reclaimer.free_empty_blocks(["A"], np.zeros(2, np.int64), dead, vt._reqs)
+    vt.reclaimer.free_empty_blocks(["A"], np.zeros(2, np.int64), dead)
     assert kv.get_block_ids("A")[0][:3] == [0, 0, b2]
     assert kv.block_pool.get_num_free_blocks() == free + 1
-    assert vt._reqs["A"].nulls == 2
+    assert vt.pool.num_nulls_rows(vt.pool.rows(["A"])).tolist() == [2]
     vt.check_integrity()

@@ -504,9 +504,10 @@ def test_compiled_batch_ops_agree_with_a_dense_recount(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_step_filter_and_eviction_runs_are_the_numpy_passes(seed):
-    # The scheduler's begin_step chooses the requests to evict from and
-    # counts what they lost in two compiled passes (over_budget,
-    # evicted_runs): each equals the NumPy passes it replaced, on tables
+    # The scheduler's begin_step chooses the requests to evict from, counts
+    # what they lost and finds those due for the planner in compiled passes
+    # (over_budget, evicted_runs, plan_due): each equals the NumPy passes it
+    # replaced, on tables
     # with evictions and marks, rows without a table (-1), requests still in
     # their prompt, and a limit (a batch in flight) or none.
     rng = np.random.default_rng(seed)
@@ -520,15 +521,24 @@ def test_the_step_filter_and_eviction_runs_are_the_numpy_passes(seed):
     pool.append_rows(rows, counts, [free.pop() for _ in range(counts.sum())])
     budget = rng.integers(0, 20, rows.max() + 1)
     seen = np.zeros(3, bool)  # the cases met: skipped, ok under budget, over
+    seen_due = np.zeros(3, bool)  # not due for want of holes, of deaths; due
     for step in range(6):
         seg, idx, _ = pool.live_tokens(rows)
         pick = rng.random(idx.size) < 0.2
         counts = np.bincount(seg[pick], minlength=rows.size)
         pool.evict_rows(rows, np.r_[0, np.cumsum(counts)], idx[pick])
         # counts as a strided view (a plug-in's evict_batch may answer so)
-        got_seg, due = pool.evicted_runs(rows, np.c_[counts, counts][:, 0], 3)
+        got_seg = pool.evicted_runs(np.c_[counts, counts][:, 0])
         np.testing.assert_array_equal(got_seg, np.arange(rows.size).repeat(counts))
-        np.testing.assert_array_equal(due, pool.dead_since_mark_rows(rows) >= 3)
+        # Due: a block's worth dead since the mark, and of holes (dead less
+        # a block per freed one), each alone not enough.
+        pool.add_nulls(rows, rng.integers(0, 2, rows.size))
+        dead = pool.num_tokens_rows(rows) - pool.num_live_rows(rows)
+        since = pool.dead_since_mark_rows(rows) >= B
+        holes = dead - pool.num_nulls_rows(rows) * B >= B
+        due = pool.plan_due(rows)
+        np.testing.assert_array_equal(due, since & holes)
+        seen_due |= [(since & ~holes).any(), (holes & ~since).any(), due.any()]
         if step % 2:
             pool.mark_rows(rows[rng.random(rows.size) < 0.5])
         at = np.where(rng.random(rows.size) < 0.2, -1, rows)
@@ -545,7 +555,7 @@ def test_the_step_filter_and_eviction_runs_are_the_numpy_passes(seed):
             np.testing.assert_array_equal(attended, slotted[which])
             np.testing.assert_array_equal(excess, over[which])
             seen |= [not ok.all(), (ok & (over <= 0)).any(), which.size > 0]
-    assert seen.all()
+    assert seen.all() and seen_due.all(), (seen, seen_due)
 
 
 def test_a_batch_memo_rebuilds_when_the_batch_or_the_rows_change():

@@ -48,7 +48,6 @@ from vllm.vtoken.request_state import RequestState
 
 _NEVER = 1 << 62  # a block count no request reaches
 _ID = attrgetter("block_id")
-_NULLS = attrgetter("nulls")
 _COMPUTED = attrgetter("num_computed_tokens")
 
 if TYPE_CHECKING:
@@ -138,11 +137,10 @@ class BlockReclaimer:
                 self.blocks.stop_caching(rid, self._num_cached_block[rid])
             self._num_cached_block[rid] = _NEVER
 
-    def free_empty_blocks(self, rids, seg, dead, recs: Mapping, rows=None) -> None:
+    def free_empty_blocks(self, rids, seg, dead, rows=None) -> None:
         """Free the blocks whose last live token just died (Naive-Evict), for
         the batch at once: tokens dead[j] of request rids[seg[j]] died (int
-        arrays); `recs` holds their RequestStates; `rows`: their Token Table
-        rows, when the caller has them."""
+        arrays); `rows`: their Token Table rows, when the caller has them."""
         pool = self.pool
         rows = pool.rows(rids) if rows is None else rows
         # Only blocks every token of which has been written: a block still
@@ -163,30 +161,28 @@ class BlockReclaimer:
         freed, nulled, refused = self.blocks.null_at_many(
             rids, seg, entry[order].tolist(), blk, self.block_pool.null_block
         )
-        for k, n in nulled.items():
-            recs[rids[k]].nulls += n
+        if nulled:  # the groups are distinct requests: one add
+            pool.add_nulls(rows[list(nulled)], list(nulled.values()))
         for k in refused:  # elsewhere in the list: found through the index
             ids = blk[bisect_left(seg, k) : bisect_right(seg, k)]  # seg sorted
-            freed += self._null_out(rids[k], recs[rids[k]], ids, unshared_only=True)
+            freed += self._null_out(rids[k], ids, unshared_only=True)
         self._free(freed)
 
-    def release_blocks(
-        self, rid: str, rec: RequestState, blocks: list[KVCacheBlock]
-    ) -> None:
+    def release_blocks(self, rid: str, blocks: list[KVCacheBlock]) -> None:
         """Null-replace `blocks` of `rid` in its block table (those still in
         it: not a displaced source), then free them."""
-        self._null_out(rid, rec, [b.block_id for b in blocks])
+        self._null_out(rid, [b.block_id for b in blocks])
         self._free(blocks)
 
     def _null_out(
-        self, rid: str, rec: RequestState, ids: list[int], unshared_only=False
+        self, rid: str, ids: list[int], unshared_only=False
     ) -> list[KVCacheBlock]:
         """The entries of `rid`'s list holding blocks among `ids` (with
         `unshared_only`, its own ones) become the null block; returns the
         blocks they held, in list order."""
         null = self.block_pool.null_block
         out = self.blocks.null_out(rid, ids, null, unshared_only)
-        rec.nulls += len(out)
+        self.pool.add_nulls(self.pool.rows([rid]), len(out))
         return out
 
     def _free(self, blocks: list[KVCacheBlock]) -> None:
@@ -231,10 +227,11 @@ class BlockReclaimer:
             rids, seg.tolist(), moves.src_at[at].tolist(), moves.src_ids[at].tolist(),
             null, unshared_only=False,
         )  # fmt: skip
-        for k, n in nulled.items():
-            recs[k].nulls += n
+        if nulled:  # the groups are distinct requests: one add
+            held = self.pool.rows([rids[k] for k in nulled])
+            self.pool.add_nulls(held, list(nulled.values()))
         for k in refused:  # elsewhere in the list: found through the index
-            self._null_out(rids[k], recs[k], moves.src_ids[s[k] : s[k + 1]].tolist())
+            self._null_out(rids[k], moves.src_ids[s[k] : s[k + 1]].tolist())
         # Destinations with no live token: rare, so looked for at once.
         empty = self.pool.block_live[moves.dst_ids] == 0
         if empty.any():
@@ -243,9 +240,7 @@ class BlockReclaimer:
             hit[owner[empty]] = True
             for k in kept[hit[kept]].tolist():
                 dead = moves.dst_ids[d[k] : d[k + 1]][empty[d[k] : d[k + 1]]]
-                freed += self._null_out(
-                    rids[k], recs[k], dead.tolist(), unshared_only=True
-                )
+                freed += self._null_out(rids[k], dead.tolist(), unshared_only=True)
         for k in kept.tolist():
             recs[k].move_batch = None
         # The fresh blocks that replaced displaced sources came from the pool.
@@ -302,6 +297,15 @@ class BlockReclaimer:
         got = dict(zip(busy.tolist(), self._busy[busy].tolist(), strict=True))
         assert got == want, f"busy blocks {got} are not the batches' {want}"
 
+    def check_nulls(self, rids: list[str]) -> None:
+        """Each request's freed blocks (pool.num_nulls_rows) are the null
+        entries of its positional list: vLLM makes none in a full-attention
+        list, and a resume's list is new (on_preempt cleared the count)."""
+        rids = [r for r in rids if r in self.req_to_blocks]
+        got = self.pool.num_nulls_rows(self.pool.rows(rids)).tolist()
+        want = [sum(b.is_null for b in self.req_to_blocks[r]) for r in rids]
+        assert got == want, f"freed blocks {got} are not the null entries {want}"
+
     def _unbusy(self, batch_id: int, block_ids: np.ndarray) -> None:
         mine = block_ids[self._busy[block_ids] == batch_id]
         self._busy[mine] = -1
@@ -314,7 +318,8 @@ class BlockReclaimer:
         scheduled: Collection[str],
     ) -> MoveBatch | None:
         """Compaction of the requests `due` that are scheduled and have a
-        block's worth of evictions since they were last planned (planner.py).
+        block's worth of evictions since they were last planned and of holes
+        (TokenTablePool.plan_due; planner.py).
 
         Blocks the prefix cache can serve are evacuated into fresh blocks
         rather than written, while the pool has the fresh blocks to spare;
@@ -328,25 +333,21 @@ class BlockReclaimer:
         order = np.argsort(rows)  # in row order: reproducible
         due, rows = [due[k] for k in order.tolist()], rows[order]
         recs = values(reqs, due)
-        ripe = pool.dead_since_mark_rows(rows) >= B
-        # Considered once it runs with a block's worth dead; not while its
-        # last batch is still copying (GPU side stream): its slots switch
-        # when that completes, so it is planned on the settled state.
+        assert not integrity.CHECK or all(
+            n == sum(b.is_null for b in self.positional(rid))
+            for rid, n in zip(due, pool.num_nulls_rows(rows).tolist(), strict=True)
+        ), "null blocks miscounted"
+        # Considered once it runs with a block's worth dead and of holes
+        # (pool.plan_due: dead tokens less a block per freed one, an upper
+        # bound; freeing a block takes a block's worth, planner.py); not
+        # while its last batch is still copying (GPU side stream): its slots
+        # switch when that completes, so it is planned on the settled state.
+        ripe = pool.plan_due(rows)
         busy = np.fromiter((r.move_batch is not None for r in recs), bool, len(recs))
         self.counters.deferred_plans += int((ripe & busy).sum())
-        planned = ripe & ~busy
-        pool.mark_rows(rows[planned])
-        assert not integrity.CHECK or all(
-            rec.nulls == sum(b.is_null for b in self.positional(rid))
-            for rid, rec in compress(zip(due, recs, strict=True), planned.tolist())
-        ), "null blocks miscounted"
-        # Holes are dead tokens' slots in blocks still held: at most the dead
-        # tokens less a block per null-replaced one. Freeing a block takes a
-        # block's worth of holes (planner.py), so with fewer the request is
-        # planned without reading its blocks: nothing to move.
-        dead = pool.num_tokens_rows(rows) - pool.num_live_rows(rows)
-        holes = dead - attrs(recs, _NULLS) * B
-        chosen = np.flatnonzero(planned & (holes >= B)).tolist()
+        chosen = np.flatnonzero(ripe & ~busy)
+        pool.mark_rows(rows[chosen])
+        chosen = chosen.tolist()
         rids = [due[k] for k in chosen]
         # Full blocks written before this step; the tail is being filled.
         nfull = (attrs(values(requests, rids), _COMPUTED) // B).tolist()
@@ -469,7 +470,7 @@ class BlockReclaimer:
             # Every token already dead: free right away, nothing to evacuate into.
             r = plan.req_index[k]
             lo, hi = plan.src_indptr[k], plan.src_indptr[k + 1]
-            self.release_blocks(rids[r], recs[r], src[lo:hi])
+            self.release_blocks(rids[r], src[lo:hi])
             self.block_pool.free_blocks(fresh[fresh_at[k] : fresh_at[k + 1]])
         if not moving.any():
             return None

@@ -19,8 +19,6 @@ class RequestState:
     # Dead tokens a resumed request recomputes this step: their blocks may be
     # freed once the forward that rewrites them has run (next begin_step).
     recomputed_dead: np.ndarray | None = None
-    # Positional blocks freed (null-replaced), for the gauges.
-    nulls: int = 0
     # The move batch in flight, if any: the request is not planned again, and
     # the batch's blocks (sources and destinations) are not freed, until acked
     # (its blocks: reclaimer.InFlightMoves).

@@ -140,7 +140,7 @@ class VTokenScheduler:
             if pool.num_slotted(rid) > 0:
                 dead = rec.recomputed_dead
                 seg = np.zeros(dead.size, np.int64)
-                self.reclaimer.free_empty_blocks([rid], seg, dead, self._reqs)
+                self.reclaimer.free_empty_blocks([rid], seg, dead)
             rec.recomputed_dead = None
         # Never evict during a (chunked) prefill, nor before the table knows
         # the tokens (prefill done means every prompt token was attended), nor
@@ -184,10 +184,10 @@ class VTokenScheduler:
         self._step_dead.append((ids, counts, idx))
         self.counters.evicted_tokens += int(idx.size)
         rows = rows[which]
-        seg, due = pool.evicted_runs(rows, counts, self.block_size)
-        self._plan_due.update(compress(ids, due))
-        # Blocks whose last live token just died are freed.
-        self.reclaimer.free_empty_blocks(ids, seg, idx, self._reqs, rows)
+        # Blocks whose last live token just died are freed; then the planner
+        # is due for the requests left with a block's worth of holes.
+        self.reclaimer.free_empty_blocks(ids, pool.evicted_runs(counts), idx, rows)
+        self._plan_due.update(compress(ids, pool.plan_due(rows)))
 
     @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
@@ -204,8 +204,8 @@ class VTokenScheduler:
             self.counters.planner_ns += time.perf_counter_ns() - t0
             self.counters.plan_calls += 1
             left = [r for r in self._plan_due if r in self._reqs]  # still due:
-            since = self.pool.dead_since_mark_rows(self.pool.rows(left))
-            self._plan_due = set(compress(left, since >= self.block_size))
+            due = self.pool.plan_due(self.pool.rows(left))
+            self._plan_due = set(compress(left, due))
         chunks, self._step_dead = self._step_dead, []
         if not chunks and moves is None:
             return None
@@ -287,7 +287,7 @@ class VTokenScheduler:
             self._scores.release(req.request_id)
             self._stale[req.request_id] = self._num_steps
         self.reclaimer.drop_moves(req.request_id, rec)
-        rec.nulls = 0
+        self.pool.clear_nulls(req.request_id)
 
     def on_free(self, req: Request) -> None:
         """Before vLLM frees a finished or aborted request."""
@@ -453,6 +453,7 @@ class VTokenScheduler:
             self.reclaimer.detached(self._reqs),
         )
         self.reclaimer.check_busy(self._reqs)
+        self.reclaimer.check_nulls(list(self._reqs))
 
 
 _COMPUTED = attrgetter("num_computed_tokens")

@@ -86,9 +86,10 @@ def stats_of(block_size, running, reqs, req_to_blocks, pool, delta) -> VTokenSta
     rids = [r.request_id for r in running]
     n = len(rids)
     blocks = np.fromiter((len(req_to_blocks[r]) for r in rids), np.int64, n)
-    nulls = np.fromiter((reqs[r].nulls for r in rids), np.int64, n)
+    rows = pool.rows(rids)
+    nulls = pool.num_nulls_rows(rows)
     computed = np.fromiter((r.num_computed_tokens for r in running), np.int64, n)
-    live = pool.num_live_rows(pool.rows(rids))
+    live = pool.num_live_rows(rows)
     B = block_size
     held = blocks - nulls
     # Compaction moves tokens into written slots only (holes), so the written

@@ -314,24 +314,31 @@ def over_budget(rows, prompt, limit, n_slotted, n_live, budget):
     return ok, which[:m], attended[:m], excess[:m]
 
 
-@numba.njit(
-    numba.types.Tuple((_i64, _b1))(_i64, _i64, _i64, _i64, _i64, numba.int64),
-    **_jit,
-)
-def evicted_runs(rows, counts, n_tokens, n_live, n_dead_marked, threshold):
-    """After a step's eviction (row rows[i] lost counts[i] tokens): (seg,
-    due), seg the run i of each evicted token (i repeated counts[i] times),
-    due[i] whether row rows[i] has `threshold` or more tokens dead since its
-    mark (TokenTablePool.dead_since_mark_rows)."""
+@numba.njit(_i64(_i64), **_jit)
+def evicted_runs(counts):
+    """After a step's eviction (run i lost counts[i] tokens): the run of
+    each evicted token, i repeated counts[i] times."""
     seg = np.empty(counts.sum(), np.int64)
-    due = np.empty(rows.size, np.bool_)
     m = 0
-    for i in range(rows.size):
+    for i in range(counts.size):
         seg[m : m + counts[i]] = i
         m += counts[i]
+    return seg
+
+
+@numba.njit(_b1(_i64, _i64, _i64, _i64, _i64, numba.int64), **_jit)
+def plan_due(rows, n_tokens, n_live, n_dead_marked, n_nulls, block_size):
+    """Whether rows[i] is due for the planner: a block's worth of tokens
+    died since its mark (TokenTablePool.dead_since_mark_rows), and its dead
+    tokens less a block per freed one (an upper bound on its holes, the
+    planner's own test) still fill a block."""
+    B = block_size
+    due = np.empty(rows.size, np.bool_)
+    for i in range(rows.size):
         r = rows[i]
-        due[i] = n_tokens[r] - n_live[r] - n_dead_marked[r] >= threshold
-    return seg, due
+        dead = n_tokens[r] - n_live[r]
+        due[i] = dead - n_dead_marked[r] >= B and dead - n_nulls[r] * B >= B
+    return due
 
 
 # append_read's status bits: nothing changed (HITS, ROOM), or keys not listed.

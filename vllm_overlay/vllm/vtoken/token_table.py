@@ -56,8 +56,9 @@ def _eviction_kernels():
 class TokenTablePool:
     """Token Tables of all requests plus the global per-block live counts.
 
-    Memory: 5 bytes per token (int32 slot + bool liveness; at most 4x that in
-    slack), 4 per physical block and 40 per request row.
+    Memory: 9 bytes per token (int32 slot, bool liveness, int32 live-list
+    entry; at most 4x that in slack), 4 per physical block and 64 per request
+    row (its region and six counters, int64).
 
     Liveness counters (`num_live`, `total_live`) count live bits of every known
     token, slotted or not (a preempted request keeps its live set), and are O(1).
@@ -83,7 +84,7 @@ class TokenTablePool:
         # is compacted once it holds as many dead as live (table_kernels.evict_rows).
         self._a = RowArena(
             {"slot": (np.int32, -1), "live": (bool, False), "listed": (np.int32, -1)},
-            ("n_tokens", "n_slotted", "n_live", "n_listed", "n_dead_marked"),
+            ("n_tokens", "n_slotted", "n_live", "n_listed", "n_dead_marked", "n_nulls"),
         )
         self._row = self._a.index
         self._total_live = 0
@@ -449,16 +450,35 @@ class TokenTablePool:
             rows, prompt, limit, c["n_slotted"], c["n_live"], budget
         )
 
-    def evicted_runs(self, rows, counts, threshold: int):
-        """(seg, due) after an eviction where rows[i] lost counts[i] tokens:
-        each token's run i, and whether `dead_since_mark_rows` reached
-        `threshold` (table_kernels.evicted_runs)."""
+    def evicted_runs(self, counts):
+        """int64: the run i of each token of an eviction where run i lost
+        counts[i] tokens (table_kernels.evicted_runs)."""
+        # A plug-in's counts may stride.
+        return self._k.evicted_runs(np.ascontiguousarray(counts, np.int64))
+
+    def plan_due(self, rows: np.ndarray) -> np.ndarray:
+        """bool [R]: whether each row is due for the planner: a block's worth
+        dead since `mark_rows`, and a block's worth of holes at most (dead
+        tokens less a block per freed one: `add_nulls`) to fill. One
+        compiled pass (table_kernels.plan_due)."""
         c = self._a.cols
-        counts = np.ascontiguousarray(counts, np.int64)  # a plug-in's may stride
-        assert counts.size == rows.size
-        return self._k.evicted_runs(
-            rows, counts, c["n_tokens"], c["n_live"], c["n_dead_marked"], threshold
-        )
+        return self._k.plan_due(
+            rows, c["n_tokens"], c["n_live"], c["n_dead_marked"], c["n_nulls"],
+            self.block_size,
+        )  # fmt: skip
+
+    def num_nulls_rows(self, rows: np.ndarray) -> np.ndarray:
+        """int64 [R]: the positional blocks each row's request has freed
+        (null-replaced) since its list was made: `add_nulls`. Scheduler side."""
+        return self._a.cols["n_nulls"][rows]
+
+    def add_nulls(self, rows: np.ndarray, n) -> None:
+        """Rows (distinct) freed n (int or int [R]) more positional blocks;
+        `clear_nulls` when vLLM makes the request a new list (a resume)."""
+        self._a.cols["n_nulls"][rows] += n
+
+    def clear_nulls(self, req_id: str) -> None:
+        self._a.cols["n_nulls"][self._row[req_id]] = 0
 
     def mark_rows(self, rows: np.ndarray, recounted=None) -> None:
         """Starts `dead_since_mark_rows` over; with `recounted` (int [R]),
