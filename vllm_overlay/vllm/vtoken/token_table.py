@@ -458,9 +458,9 @@ class TokenTablePool:
 
     def plan_due(self, rows: np.ndarray) -> np.ndarray:
         """bool [R]: whether each row is due for the planner: a block's worth
-        dead since `mark_rows`, and a block's worth of holes at most (dead
-        tokens less a block per freed one: `add_nulls`) to fill. One
-        compiled pass (table_kernels.plan_due)."""
+        of tokens dead since `mark_rows`, and its dead tokens less a block per
+        freed one (`add_nulls`; an upper bound on its holes) fill a block.
+        One compiled pass (table_kernels.plan_due)."""
         c = self._a.cols
         return self._k.plan_due(
             rows, c["n_tokens"], c["n_live"], c["n_dead_marked"], c["n_nulls"],
