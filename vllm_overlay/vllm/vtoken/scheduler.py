@@ -95,8 +95,8 @@ class VTokenScheduler:
         # recomputed dead tokens (RequestState.recomputed_dead); whose blocks
         # vLLM may still cache (new or resumed: caching stops at their first
         # dead token); due for planning: a block's worth dead since planned
-        # (`pool.dead_since_mark_rows`; packing frees a block only once a
-        # block's worth of slots is dead, so about once per B evictions).
+        # and of holes (`pool.plan_due`; packing frees a block only with a
+        # block's worth of holes, so at most about once per B evictions).
         self._recomputing: list[str] = []
         self._caching: set[str] = set()
         self._plan_due: set[str] = set()
