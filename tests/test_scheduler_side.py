@@ -128,6 +128,7 @@ def test_hand_computed_step(reclaim):
     if reclaim == "naive":
         # 4 positional blocks = 16 slots; written 13, live 7, dead 6.
         assert out.moves is None
+        assert not vt._plan_due  # no planner without compaction
         assert s.retained_blocks == 4
         assert s.token_utilization == pytest.approx(7 / 16)
         assert s.intra_block_waste == pytest.approx(6 / 16)
@@ -468,6 +469,7 @@ def test_blocks_emptied_mid_list_are_freed_in_place_also_after_a_resume():
     kv.free(req)
     req.num_computed_tokens = 0
     step(kv, vt, req, req.num_tokens, running=[])  # 19 tokens, 5 new blocks
+    assert not vt._plan_due  # the recomputed dead make no plan without compaction
     for _ in range(7):  # recomputed dead 4-11 freed at once, 12-15 and 16-19 later
         step(kv, vt, req, 1, running=[req])
     ids = kv.get_block_ids("A")[0]

@@ -36,7 +36,8 @@ COUNTERS = {
     "moved_tokens": ("vllm:kv_moved_tokens", "Tokens moved by compaction."),
     "deferred_plans": (
         "vllm:kv_reclaim_deferred",
-        "Compactions held back while the request's last move batch was copying.",
+        "Compactions of requests with a block's worth of holes, held back "
+        "while the request's last move batch was copying.",
     ),
     "copy_bytes": ("vllm:kv_copy_bytes", "KV bytes written by compaction moves."),
 }

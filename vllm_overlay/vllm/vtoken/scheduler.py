@@ -187,7 +187,8 @@ class VTokenScheduler:
         # Blocks whose last live token just died are freed; then the planner
         # is due for the requests left with a block's worth of holes.
         self.reclaimer.free_empty_blocks(ids, pool.evicted_runs(counts), idx, rows)
-        self._plan_due.update(compress(ids, pool.plan_due(rows)))
+        if self.cfg.compaction:
+            self._plan_due.update(compress(ids, pool.plan_due(rows)))
 
     @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
@@ -432,7 +433,7 @@ class VTokenScheduler:
             rec.recomputed_dead = dead
             rows = self.pool.rows([rid])
             self.pool.mark_rows(rows, recounted=np.array([dead.size]))
-            if self.pool.dead_since_mark_rows(rows)[0] >= self.block_size:
+            if self.cfg.compaction and self.pool.plan_due(rows)[0]:
                 self._plan_due.add(rid)
 
     # ------------------------------------------------------------ metrics

@@ -475,9 +475,14 @@ class TokenTablePool:
     def add_nulls(self, rows: np.ndarray, n) -> None:
         """Rows (distinct) freed n (int or int [R]) more positional blocks;
         `clear_nulls` when vLLM makes the request a new list (a resume)."""
+        # Fancy-index `+=` adds once per distinct row: a repeated row would
+        # lose counts silently.
+        assert not integrity.CHECK or np.unique(rows).size == rows.size, rows
         self._a.cols["n_nulls"][rows] += n
 
     def clear_nulls(self, req_id: str) -> None:
+        """No freed blocks: a preempted request's positional list is gone,
+        and the resume allocates it anew."""
         self._a.cols["n_nulls"][self._row[req_id]] = 0
 
     def mark_rows(self, rows: np.ndarray, recounted=None) -> None:
