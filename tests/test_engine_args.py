@@ -163,6 +163,20 @@ def test_an_fp8_kv_cache_is_refused():
         make_config(kv_eviction_policy="h2o", kv_budget_tokens=64, kv_cache_dtype="fp8")
 
 
+def test_a_block_size_not_a_power_of_two_is_refused():
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=os.environ["VTOKEN_MODEL_DIR"],
+        block_size=48,
+        max_model_len=512,
+        kv_eviction_policy="h2o",
+        kv_budget_tokens=64,
+    )
+    with pytest.raises(Exception, match="does not support --block-size 48"):
+        args.create_engine_config()
+
+
 @pytest.mark.parametrize(
     "change, what",
     [

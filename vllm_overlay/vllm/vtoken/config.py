@@ -198,6 +198,13 @@ class VTokenConfig:
                 f"--kv-cache-dtype {cache_dtype}",
                 "the token read and the KV copy handle the model's dtype only",
             )
+        block = vllm_config.cache_config.block_size
+        if block is not None and block & (block - 1):
+            refuse(
+                f"--block-size {block}",
+                "the token tables find a slot's block by a shift, so the "
+                "block size must be a power of two",
+            )
         model = vllm_config.model_config
         budget = self.kv_budget_tokens
         if model is not None and budget is not None and budget >= model.max_model_len:

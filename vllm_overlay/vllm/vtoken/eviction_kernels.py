@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from vllm.vtoken.policies.selection_kernels import _FEW, _before
-from vllm.vtoken.table_kernels import kill_rows
+from vllm.vtoken.table_kernels import kill_rows, log2
 
 _i64, _i32, _u64, _f32, _f64, _b1 = (
     numba.int64[::1],
@@ -271,5 +271,5 @@ def evict_lowest(
     for i in range(num):
         indptr[i + 1] = indptr[i] + counts[i]
     kill_rows(rows, indptr, out, start, n_live, n_listed, slot, live, listed,
-              block_live, block_size)  # fmt: skip
+              block_live, log2(block_size))  # fmt: skip
     return counts, out[:m]

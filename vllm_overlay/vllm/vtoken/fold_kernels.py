@@ -121,6 +121,17 @@ def persistence_gain(mass, indptr, num_queries, norm):
     return out
 
 
+@numba.njit(_f32(_f32, numba.float32), **_jit)
+def divided(mass, norm):
+    """mass / norm in float32, as NumPy divides it. A loop of its own: inline
+    in step_gains, where `gain` is one of two branches' arrays, numba did not
+    vectorize it (at 1,024 requests' keys, by hand: ~24 -> ~4 us)."""
+    gain = np.empty(mass.size, np.float32)
+    for j in range(mass.size):
+        gain[j] = mass[j] / norm
+    return gain
+
+
 @numba.njit(
     numba.types.Tuple((_f32, _i64, _i64))(
         _f32, _i64, _i64, numba.float64, numba.boolean
@@ -142,10 +153,7 @@ def step_gains(mass, indptr, q_loc, norm, persistence):
             nq[r] = q_loc[r + 1] - q_loc[r]
         gain = persistence_gain(mass, indptr, nq, norm)
     else:
-        gain = np.empty(mass.size, np.float32)
-        f = np.float32(norm)
-        for j in range(mass.size):
-            gain[j] = mass[j] / f
+        gain = divided(mass, np.float32(norm))
     read = np.empty(n, np.int64)
     read_indptr = np.zeros(n + 1, np.int64)
     m = 0

@@ -96,19 +96,30 @@ def cpu_plan_index(q_loc, kv_loc, kv_slots, write, score_rows, shift, num_kv_hea
     valid = np.empty((num_dec if padded else 0, width), np.bool_)
     v_rows = np.empty(num_dec * H * width, np.int64)
     score_pos = np.empty(0 if in_order else kv_slots.size, np.int64)
+    # Row by row through 1-D views, one array a loop: numba vectorizes these
+    # loops, not one writing several 2-D arrays with a branch per key (at
+    # 1,024 requests of 34 keys, by hand: ~100 -> ~41 us).
+    mask, pad = block_size - 1, kv_slots[0] if kv_slots.size else 0
+    pad_b, pad_o = pad >> shift, pad & mask
     m = 0
     for i in range(num_dec):
         lo, hi = kv_loc[decode[i]], kv_loc[decode[i] + 1]
-        for w in range(width):
-            ok = lo + w < hi
-            s = kv_slots[lo + w] if ok else kv_slots[0]
-            b = s >> shift
-            o = s & (block_size - 1)
-            blk[i, w], off[i, w] = b, o
-            if padded:
-                valid[i, w] = ok
-            for h in range(H):
-                v_rows[(i * H + h) * width + w] = (b * H + h) * block_size + o
+        n, b, o, keys = hi - lo, blk[i], off[i], kv_slots[lo:hi]
+        for w in range(n):
+            b[w] = keys[w] >> shift
+            o[w] = keys[w] & mask
+        for w in range(n, width):  # padding repeats kv_slots[0]
+            b[w] = pad_b
+            o[w] = pad_o
+        if padded:
+            for w in range(n):
+                valid[i, w] = True
+            for w in range(n, width):
+                valid[i, w] = False
+        for h in range(H):
+            v = v_rows[(i * H + h) * width : (i * H + h + 1) * width]
+            for w in range(width):
+                v[w] = (b[w] * H + h) * block_size + o[w]
         if not in_order:
             for p in range(lo, hi):
                 score_pos[m] = p

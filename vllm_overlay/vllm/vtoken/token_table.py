@@ -38,6 +38,7 @@ from vllm.vtoken.arena import (
     RowArena,
     add_counts,
     as_index,
+    block_shift,
     indptr_of,
     segments,
 )
@@ -66,6 +67,9 @@ class TokenTablePool:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
+        block_shift(
+            block_size
+        )  # a power of two: the kernels shift (table_kernels.log2)
         # Compiled batch passes; imported here, so that numba loads (and its
         # kernels compile, or come from its cache) only with vToken on.
         from vllm.vtoken import table_kernels
