@@ -46,10 +46,14 @@ def fold(
     slotted since (DESIGN.md §3.2). The next eviction then walks no live
     list (at 1,024 requests, in-engine: evict_lowest ~180-280 -> 37 µs; the
     choice costs the fold ~20-35 µs)."""
+    # Each row's largest key against its region: a reduction numba
+    # vectorizes (a test a key: ~10 us more at 1,024 rows, by hand).
     for i in range(rows.size):
-        for j in range(indptr[i], indptr[i + 1]):
-            if idx[j] >= cap[rows[i]]:
-                return False
+        top, k = -1, idx[indptr[i] : indptr[i + 1]]
+        for j in range(k.size):
+            top = max(top, k[j])
+        if top >= cap[rows[i]]:
+            return False
     w = np.float32(window)
     for i in range(rows.size):
         r = rows[i]
