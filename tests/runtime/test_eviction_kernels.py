@@ -149,9 +149,23 @@ def test_under_deep_checks_the_runtime_compares_the_two(monkeypatch):
         rt.enforce_budgets(rids, np.full(8, 40))
 
 
+def tables(pool):
+    """The arena as evictions leave it, in two parts: each row's listed live
+    tokens and the bits; the counters (slots are checked by check_integrity
+    against the blocks) and block counts. Not how many dead each list holds: a
+    row whose victim was the fold's keeps it listed a while (kill_rows), the
+    same victim through evict_rows does not."""
+    a = pool._a
+    lists = [
+        pool.live_tokens([row])[1].tolist() for row in range(a.cols["n_live"].size)
+    ]
+    cols = [c.tolist() for name, c in a.cols.items() if name != "n_listed"]
+    return [lists, a.data["live"].tolist()], cols + [pool.block_live.tolist()]
+
+
 def run_steps(policy, seed, num_reqs=10, steps=30):
     """Steps of growth, preemption, scores and eviction; after each, what
-    was evicted and the whole arena (live lists and their compaction too)."""
+    was evicted and the whole arena (`tables`)."""
     rng = np.random.default_rng(seed)
     rt, pool, acc = runtime(policy, 2048)
     top, rids, out = 0, [f"r{i}" for i in range(num_reqs)], []
@@ -181,9 +195,7 @@ def run_steps(policy, seed, num_reqs=10, steps=30):
         attended = np.array([pool.num_slotted(r) for r in rids])
         attended += rng.integers(-2, 2, len(rids))
         out.append([x.tolist() for x in rt.enforce_budgets(rids, attended)])
-        a = pool._a
-        out.append([a.data["listed"].tolist(), a.data["live"].tolist()])
-        out.append([c.tolist() for c in a.cols.values()] + [pool.block_live.tolist()])
+        out.extend(tables(pool))  # two entries: a step is three
         pool.check_integrity()
     return out
 
@@ -246,9 +258,7 @@ def decode_steps(policy, seed, steps=40, num_reqs=20):
                 attended[i] -= 1
         ready += fold_choices_valid(policy, rt, pool, acc, rids, attended)
         out.append([x.tolist() for x in rt.enforce_budgets(rids, attended)])
-        a = pool._a
-        out.append([a.data["listed"].tolist(), a.data["live"].tolist()])
-        out.append([c.tolist() for c in a.cols.values()] + [pool.block_live.tolist()])
+        out.extend(tables(pool))  # two entries: a step is three
         pool.check_integrity()
         for rid in rids:  # the step's new token
             rt.sync_new_tokens(rid, np.array([top]))

@@ -437,17 +437,31 @@ def test_check_integrity_catches_a_live_list_out_of_step():
         pool.check_integrity()
 
 
-def test_a_live_list_is_compacted_once_it_holds_as_many_dead_as_live():
+def test_a_live_list_lists_the_live_tokens_only_after_every_kill():
+    """A kill takes its victims out of the list (bisecting to the first,
+    then closing up), whatever their order in the batch, so a walk copies
+    the list; after a preemption the walks stop where the slotted prefix
+    ends."""
+    rng = np.random.default_rng(0)
     pool = make_pool(num_blocks=64, a=list(range(200)))
     row = pool.rows(["a"])[0]
-    for t in range(0, 150):  # one eviction a step, the oldest first
-        pool.evict("a", np.array([t]))
-        live = 200 - (t + 1)
-        assert live <= pool._n_listed[row] < live + max(live, 16)
-        if t in (15, 99):
-            pool.check_integrity()
-    assert pool._n_listed[row] < 2 * 50 + 16  # compacted along the way
-    np.testing.assert_array_equal(pool.live_tokens([row])[1], np.arange(150, 200))
+    alive = np.arange(200)
+    for step in range(40):  # scattered victims, up to 5 a kill, unsorted
+        victims = rng.choice(alive, size=min(1 + step % 5, alive.size), replace=False)
+        pool.evict_rows(np.array([row]), np.array([0, victims.size]), victims)
+        alive = np.setdiff1d(alive, victims)
+        assert pool._n_listed[row] == alive.size == pool.num_live("a")
+        start = pool._a.start[row]
+        np.testing.assert_array_equal(pool._listed[start : start + alive.size], alive)
+        np.testing.assert_array_equal(pool.live_tokens([row])[1], alive)
+    pool.check_integrity()
+    pool.reset_slots("a")  # preempted: nothing slotted, the list kept
+    assert pool.live_tokens([row])[1].size == 0
+    pool.append("a", np.arange(120))  # the resume recomputes 120 tokens
+    np.testing.assert_array_equal(pool.live_tokens([row])[1], alive[alive < 120])
+    counts, idx, _, queries = pool.read_walk([row], np.array([100]))
+    np.testing.assert_array_equal(idx, alive[alive < 120])
+    assert counts.tolist() == [idx.size] and queries == int((idx >= 100).sum())
     pool.check_integrity()
 
 

@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from vllm.vtoken.policies.selection_kernels import _FEW, _before
-from vllm.vtoken.table_kernels import kill_rows, log2
+from vllm.vtoken.table_kernels import kill_rows, listed_live, log2
 
 _i64, _i32, _u64, _f32, _f64, _b1 = (
     numba.int64[::1],
@@ -119,6 +119,7 @@ def evict_lowest(
         longest = max(longest, n_listed[rows[i]])
         total += max(want[i], 0)
     counts, out = np.zeros(num, np.int64), np.empty(total, np.int64)
+    folded = np.zeros(num, np.bool_)  # the victim was the fold's choice
     oldest = 0  # "persistence": _seen of every age up to the batch's oldest
     if key_kind == 3:
         for i in range(num):
@@ -133,7 +134,7 @@ def evict_lowest(
     m = 0
     for i in range(num):
         r = rows[i]
-        base, end, k = start[r], n_slotted[r], max(want[i], 0)
+        end, k = n_slotted[r], max(want[i], 0)
         if k == 0:
             continue
         if key_kind == 0 and sinks == 0 and score_rows[i] >= 0:
@@ -153,13 +154,9 @@ def evict_lowest(
                 out[m] = c
                 m += 1
                 counts[i] = 1
+                folded[i] = True  # its list unread: the victim stays listed
                 continue
-        n = 0
-        for j in range(base, base + n_listed[r]):
-            t = listed[j]
-            if t < end and live[base + t]:
-                view[n] = t
-                n += 1
+        n = listed_live(r, start, n_live, n_listed, n_slotted, listed, live, view)
         if n == 0:
             continue
         # The view ascends, so the candidates (evictable, t < attended - 1;
@@ -271,5 +268,5 @@ def evict_lowest(
     for i in range(num):
         indptr[i + 1] = indptr[i] + counts[i]
     kill_rows(rows, indptr, out, start, n_live, n_listed, slot, live, listed,
-              block_live, log2(block_size))  # fmt: skip
+              block_live, log2(block_size), folded)  # fmt: skip
     return counts, out[:m]

@@ -83,9 +83,11 @@ class TokenTablePool:
         # a slot), live bits set; slot -1 and live False outside those. The
         # live list, so that a step walks a request's live tokens and not a
         # long generation's dead history: entries [0, n_listed) of `listed`
-        # are logical indices, ascending, of every live token and of tokens
-        # that died since the list was last compacted (-1 past them). A list
-        # is compacted once it holds as many dead as live (table_kernels.evict_rows).
+        # are logical indices, ascending, of the live tokens (-1 past them):
+        # a kill takes its victims out, so a walk copies the list. Only a
+        # row whose victim was the fold's leaves it listed until the dead
+        # are as many as the live (table_kernels.kill_rows); a walk tests
+        # the bits of a list with dead (n_listed > n_live).
         self._a = RowArena(
             {"slot": (np.int32, -1), "live": (bool, False), "listed": (np.int32, -1)},
             ("n_tokens", "n_slotted", "n_live", "n_listed", "n_dead_marked", "n_nulls"),
@@ -262,8 +264,8 @@ class TokenTablePool:
         idx, slot), int64 (slot int32). O(live tokens): the live lists."""
         a, c = self._a.data, self._a.cols
         return self._k.live_tokens(
-            np.asarray(rows, np.int64), self._a.start, c["n_listed"],
-            c["n_slotted"], a["listed"], a["live"], a["slot"],
+            np.asarray(rows, np.int64), self._a.start, c["n_live"],
+            c["n_listed"], c["n_slotted"], a["listed"], a["live"], a["slot"],
         )  # fmt: skip
 
     def emptied_blocks(self, rows: np.ndarray, seg: np.ndarray, idx: np.ndarray):
@@ -285,8 +287,8 @@ class TokenTablePool:
         a, c = self._a.data, self._a.cols
         return self._k.read_walk(
             np.asarray(rows, np.int64), np.asarray(computed, np.int64),
-            self._a.start, c["n_listed"], c["n_slotted"], a["listed"],
-            a["live"], a["slot"],
+            self._a.start, c["n_live"], c["n_listed"], c["n_slotted"],
+            a["listed"], a["live"], a["slot"],
         )  # fmt: skip
 
     def tokens_at(self, rows: np.ndarray, seg: np.ndarray, idx) -> np.ndarray:
