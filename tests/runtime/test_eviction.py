@@ -123,6 +123,14 @@ def test_a_batch_of_several_policies_evicts_what_each_request_would_alone():
     got = {"abcdef"[i]: run.tolist() for i, run in zip(which, runs, strict=True)}
     assert got == {rid: v for rid, v in want.items() if v}
     assert len(want["a"]) == 3 and len(want["b"]) == 6 and want["d"] == []
+    # Random's rows take victims out of their live lists at once; the rest
+    # keep them listed a while, as the worker's tables for the same requests.
+    keep = batch.pool._a.cols["keep_dead"][batch.pool.rows(list("abcdef"))]
+    assert keep.tolist() == [1, 0, 1, 1, 1, 0]
+    assert [
+        (picks.get(r) or RequestEviction("streamingllm", 6)).keeps_dead_listed
+        for r in "abcdef"
+    ] == keep.astype(bool).tolist()
     batch.pool.check_integrity()
 
 

@@ -56,7 +56,8 @@ class Sim:
             return
         rid = f"r{self.next_id}"
         self.next_id += 1
-        self.pool.add_request(rid)
+        # Both kinds of live list: victims out at once, or listed a while.
+        self.pool.add_request(rid, keep_dead=self.next_id % 2 == 0)
         self.held[rid], self.tail[rid] = set(), None
         self.live[rid], self.known[rid] = set(), 0
 

@@ -437,6 +437,24 @@ def test_check_integrity_catches_a_live_list_out_of_step():
         pool.check_integrity()
 
 
+def test_a_list_keeping_its_dead_is_compacted_once_they_are_as_many_as_the_live():
+    pool = TokenTablePool(64, B)
+    pool.add_request("a", keep_dead=True)
+    pool.append("a", np.arange(200))
+    row = pool.rows(["a"])[0]
+    for t in range(0, 150):  # one eviction a step, the oldest first
+        pool.evict("a", np.array([t]))
+        live = 200 - (t + 1)
+        assert live <= pool._n_listed[row] < live + max(live, 16)
+        if t in (15, 99):
+            pool.check_integrity()
+    assert pool._n_listed[row] < 2 * 50 + 16  # compacted along the way
+    np.testing.assert_array_equal(pool.live_tokens([row])[1], np.arange(150, 200))
+    counts, idx, _, _ = pool.read_walk([row], np.array([200]))
+    np.testing.assert_array_equal(idx, np.arange(150, 200))
+    pool.check_integrity()
+
+
 def test_a_live_list_lists_the_live_tokens_only_after_every_kill():
     """A kill takes its victims out of the list (bisecting to the first,
     then closing up), whatever their order in the batch, so a walk copies

@@ -139,9 +139,10 @@ class EvictionRuntime:
     ) -> None:
         """A request's table, generator, policy and budget (see
         `sync_new_tokens` for the arguments)."""
-        self.pool.add_request(req_id)
         key = req_id.encode() if rng_key is None else rng_key
         r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
+        scatters = r.policy is not None and r.policy.scatters_victims
+        self.pool.add_request(req_id, keep_dead=not scatters)
         known = [i for i, p in enumerate(self._by_index) if p is r.policy]
         if not known:  # by identity: a plug-in may define __eq__
             self._by_index.append(r.policy)

@@ -93,7 +93,7 @@ def _unimportance(score, age, window, seen_at):
         # the batch and the rule
         _i64, _i64, _i64, _u64, numba.int64, numba.int64, numba.int64,
         # the Token Tables (TokenTablePool's arena)
-        _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64,
+        _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64, _i64,
         # the running scores (ScoreAccumulator's arena; rows -1: none) and
         # the fold's next victims (its columns: rule, cand, cand_end, cand_keys)
         _i64, _i64, _i64, _f32, _i64, _i64, _i64, _i64,
@@ -105,7 +105,7 @@ def _unimportance(score, age, window, seen_at):
 def evict_lowest(
     rows, want, attended, seeds, key_kind, recent, sinks,
     start, n_tokens, n_slotted, n_live, n_listed, listed, live, slot, block_live,
-    block_size,
+    block_size, keep_dead,
     score_rows, score_start, score_cap, acc, rule, cand, cand_end, cand_keys,
     window, age_rows, age_start, born, age_step,
 ):  # fmt: skip
@@ -119,7 +119,6 @@ def evict_lowest(
         longest = max(longest, n_listed[rows[i]])
         total += max(want[i], 0)
     counts, out = np.zeros(num, np.int64), np.empty(total, np.int64)
-    folded = np.zeros(num, np.bool_)  # the victim was the fold's choice
     oldest = 0  # "persistence": _seen of every age up to the batch's oldest
     if key_kind == 3:
         for i in range(num):
@@ -154,7 +153,6 @@ def evict_lowest(
                 out[m] = c
                 m += 1
                 counts[i] = 1
-                folded[i] = True  # its list unread: the victim stays listed
                 continue
         n = listed_live(r, start, n_live, n_listed, n_slotted, listed, live, view)
         if n == 0:
@@ -268,5 +266,5 @@ def evict_lowest(
     for i in range(num):
         indptr[i + 1] = indptr[i] + counts[i]
     kill_rows(rows, indptr, out, start, n_live, n_listed, slot, live, listed,
-              block_live, log2(block_size), folded)  # fmt: skip
+              block_live, log2(block_size), keep_dead)  # fmt: skip
     return counts, out[:m]

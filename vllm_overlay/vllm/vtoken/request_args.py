@@ -54,6 +54,12 @@ class RequestEviction:
         """The attention scores this request's policy reads, if any."""
         return POLICIES[self.policy].score_mode if self.evicts else None
 
+    @property
+    def keeps_dead_listed(self) -> bool:
+        """Whether its Token Tables leave victims listed a while
+        (EvictionPolicy.scatters_victims, TokenTablePool.add_request)."""
+        return not (self.evicts and POLICIES[self.policy].scatters_victims)
+
 
 def request_eviction(
     extra_args: dict[str, Any] | None,

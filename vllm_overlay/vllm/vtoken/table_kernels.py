@@ -208,21 +208,20 @@ def append_rows(
 @numba.njit(inline="always")
 def kill_rows(
     rows, indptr, idx, start, n_live, n_listed, slot, live, listed, block_live,
-    shift, keep_listed,
+    shift, keep_dead,
 ):  # fmt: skip
     """Row rows[i] loses its live tokens idx[indptr[i]:indptr[i + 1]]: bits
     cleared, blocks uncounted, and taken out of its live list, so that the
-    list holds the live tokens only and a walk copies it (`walk_row`).
-    Rows keep_listed[i] (bool [R], or empty: none) leave their victims
-    listed until the dead are as many as the live (and 16): the rows whose
-    victim was the fold's, which walk no list and whose lists the kill would
-    read only for this (H2O's and SnapKV's usual step; ~45 us at 1,024 rows
-    in-engine, their lists cold). Shared by evict_rows and
-    eviction_kernels.evict_lowest (whose numba cache does not see edits
-    here: DEVELOPING.md). The batch in one loop: a helper called a row at a
-    time (inlined, with the row's victims a slice) cost ~55 ns a row more,
-    most of a step's kill at a victim a row (evict_rows: 73 against 15 µs,
-    1,024 rows)."""
+    list holds the live tokens only and a walk copies it (`listed_live`).
+    A row with keep_dead[row] (a column: TokenTablePool.add_request) leaves
+    its victims listed until the dead are as many as the live (and 16),
+    then compacts: the kill then reads no list, and the walks test each
+    entry's bit (see `keeps_dead_listed` for which rows). Shared by
+    evict_rows and eviction_kernels.evict_lowest (whose numba cache does
+    not see edits here: DEVELOPING.md). The batch in one loop: a helper
+    called a row at a time (inlined, with the row's victims a slice) cost
+    ~55 ns a row more, most of a step's kill at a victim a row (evict_rows:
+    73 against 15 µs, 1,024 rows)."""
     for i in range(rows.size):
         r, lo, hi = rows[i], indptr[i], indptr[i + 1]
         if hi == lo:
@@ -236,7 +235,7 @@ def kill_rows(
         n_live[r] -= hi - lo
         n, a = n_listed[r], 0
         lst = listed[base : base + n]
-        if keep_listed.size and keep_listed[i]:
+        if keep_dead[r]:
             if n - n_live[r] < max(n_live[r], 16):
                 continue
             packed = False  # as many dead as live: compacted, from the start
@@ -267,12 +266,14 @@ def kill_rows(
 
 
 @numba.njit(
-    numba.int64(_i64, _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64),
+    numba.int64(
+        _i64, _i64, _i64, _i64, _i64, _i64, _i32, _b1, _i32, _i32, numba.int64, _i64
+    ),
     **_jit,
 )
 def evict_rows(
     rows, indptr, idx, start, n_live, n_listed, slot, live, listed, block_live,
-    block_size,
+    block_size, keep_dead,
 ):  # fmt: skip
     """Row i's tokens idx[indptr[i]:indptr[i + 1]] die (TokenTablePool.
     evict_rows): bits cleared, blocks uncounted, and taken out of the live
@@ -284,7 +285,7 @@ def evict_rows(
             if not live[base + idx[j]]:
                 return j
     kill_rows(rows, indptr, idx, start, n_live, n_listed, slot, live, listed,
-              block_live, log2(block_size), np.zeros(0, np.bool_))  # fmt: skip
+              block_live, log2(block_size), keep_dead)  # fmt: skip
     return -1
 
 

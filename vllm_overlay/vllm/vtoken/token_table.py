@@ -90,16 +90,27 @@ class TokenTablePool:
         # the bits of a list with dead (n_listed > n_live).
         self._a = RowArena(
             {"slot": (np.int32, -1), "live": (bool, False), "listed": (np.int32, -1)},
-            ("n_tokens", "n_slotted", "n_live", "n_listed", "n_dead_marked", "n_nulls"),
+            (
+                "n_tokens",
+                "n_slotted",
+                "n_live",
+                "n_listed",
+                "n_dead_marked",
+                "n_nulls",
+                "keep_dead",
+            ),  # fmt: skip
         )
         self._row = self._a.index
         self._total_live = 0
 
     # ------------------------------------------------------------ lifecycle
-    def add_request(self, req_id: str) -> None:
-        """Registers an empty table for a request not yet present."""
+    def add_request(self, req_id: str, keep_dead: bool = False) -> None:
+        """Registers an empty table for a request not yet present. With
+        `keep_dead` its kills leave their victims listed until the dead are
+        as many as the live (table_kernels.kill_rows; `keeps_dead_listed`)."""
         assert req_id not in self._row, f"{req_id!r} already has a token table"
         self._a.add(req_id)
+        self._a.cols["keep_dead"][self._row[req_id]] = keep_dead
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._row
@@ -308,6 +319,7 @@ class TokenTablePool:
         bad = self._k.evict_rows(
             rows, indptr, i, self._a.start, c["n_live"], c["n_listed"],
             a["slot"], a["live"], a["listed"], self.block_live, self.block_size,
+            c["keep_dead"],
         )  # fmt: skip
         assert bad < 0, f"token {i[bad]} (entry {bad} of idx) is already dead"
         self._total_live -= i.size
@@ -338,7 +350,7 @@ class TokenTablePool:
             ek.KEYS[rule.key], int(rule.recent), int(rule.sinks),
             self._a.start, c["n_tokens"], c["n_slotted"], c["n_live"],
             c["n_listed"], a["listed"], a["live"], a["slot"], self.block_live,
-            self.block_size, s_rows, s_start, s_cap, acc, *cand,
+            self.block_size, c["keep_dead"], s_rows, s_start, s_cap, acc, *cand,
             int(rule.window), a_rows, a_start, born, a_step,
         )  # fmt: skip
         self._total_live -= idx.size

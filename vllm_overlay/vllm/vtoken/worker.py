@@ -38,7 +38,7 @@ from vllm.vtoken.cpu_attention import cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, VTokenWorkerOutput, owned
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.ranks import Acks, RankGroups
-from vllm.vtoken.request_args import request_eviction
+from vllm.vtoken.request_args import RequestEviction, request_eviction
 from vllm.vtoken.scores import ScoreAccumulator, window_rows
 from vllm.vtoken.staging import HostToDevice
 from vllm.vtoken.stats import VTokenCounters, timed
@@ -295,9 +295,11 @@ class VTokenWorker:
         return rows, lookup(self._scored, rids, bool)
 
     def _add(self, rid: str, requests: dict[str, CachedRequestState]) -> None:
-        # First sight: a Token Table, and whether its policy reads scores.
-        self.pool.add_request(rid)
-        self._scored[rid] = self._reads_scores(requests[rid])
+        # First sight: a Token Table (kept as the scheduler keeps the
+        # request's: EvictionRuntime.register), whether its policy reads scores.
+        evict = self._eviction_of(requests[rid])
+        self.pool.add_request(rid, keep_dead=evict.keeps_dead_listed)
+        self._scored[rid] = self.scores is not None and evict.score_mode is not None
 
     def _with_hits(self, rids, requests, counts, new, start, hits) -> np.ndarray:
         """The step's slots with each request's prefix-cache hits (tokens
@@ -313,15 +315,14 @@ class VTokenWorker:
             out[first[i] : first[i] + hits[i]] = ids[pos // B] * B + pos % B
         return out
 
-    def _reads_scores(self, req: CachedRequestState) -> bool:
+    def _eviction_of(self, req: CachedRequestState) -> RequestEviction:
         params = req.sampling_params
-        evict = request_eviction(
+        return request_eviction(
             params.extra_args if params is not None else None,
             self.cfg,
             block_size=self.block_size,
             max_model_len=self._max_model_len,
         )
-        return self.scores is not None and evict.score_mode is not None
 
     def end_stage(self) -> None:
         """PP, a rank before the last: its step ends when it has sent its

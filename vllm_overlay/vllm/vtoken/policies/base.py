@@ -127,7 +127,8 @@ class EvictionPolicy(ABC):
 
     Subclasses set `name`, `score_mode` (None, "sum", "persistence" or
     "window": which score the runtime must provide), `defaults` (knob name ->
-    default value) and implement `evict_token`. Knob values are in
+    default value), optionally `scatters_victims`, and implement
+    `evict_token`. Knob values are in
     `self.knobs`; `_validate` checks them and derives attributes, the score
     attributes below included, which are then checked against the mode.
     """
@@ -135,6 +136,13 @@ class EvictionPolicy(ABC):
     name: ClassVar[str]
     score_mode: ClassVar[str | None] = None
     defaults: ClassVar[dict[str, Any]] = {}
+    # Victims spread at random over a request's live tokens (Random's): its
+    # Token Tables take each victim out of the live list at once, so that a
+    # walk copies the list. Otherwise the dead stay listed until they are as
+    # many as the live, and a walk tests each entry's bit: a branch that
+    # predicts well where the dead gather (the oldest, the lowest-scored),
+    # and spares the kill a pass over each list (table_kernels.kill_rows).
+    scatters_victims: ClassVar[bool] = False
     # Steps a "persistence" score averages over (None: it counts forever).
     score_window: int | None = None
     # How a step's attention is reduced over layers and query heads: "mean",

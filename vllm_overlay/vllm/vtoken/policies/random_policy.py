@@ -20,6 +20,7 @@ class RandomPolicy(base.EvictionPolicy):
     """
 
     name = "random"
+    scatters_victims = True
 
     def lowest_rule(self, req_ids):
         return base.LowestRule("hash")
