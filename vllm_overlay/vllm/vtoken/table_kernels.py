@@ -216,7 +216,7 @@ def kill_rows(
     A row with keep_dead[row] (a column: TokenTablePool.add_request) leaves
     its victims listed until the dead are as many as the live (and 16),
     then compacts: the kill then reads no list, and the walks test each
-    entry's bit (see `keeps_dead_listed` for which rows). Shared by
+    entry's bit (which rows: EvictionPolicy.scatters_victims). Shared by
     evict_rows and eviction_kernels.evict_lowest (whose numba cache does
     not see edits here: DEVELOPING.md). The batch in one loop: a helper
     called a row at a time (inlined, with the row's victims a slice) cost

@@ -83,11 +83,11 @@ class TokenTablePool:
         # a slot), live bits set; slot -1 and live False outside those. The
         # live list, so that a step walks a request's live tokens and not a
         # long generation's dead history: entries [0, n_listed) of `listed`
-        # are logical indices, ascending, of the live tokens (-1 past them):
-        # a kill takes its victims out, so a walk copies the list. Only a
-        # row whose victim was the fold's leaves it listed until the dead
-        # are as many as the live (table_kernels.kill_rows); a walk tests
-        # the bits of a list with dead (n_listed > n_live).
+        # are logical indices, ascending, of the live tokens (-1 past them)
+        # and, in a row with `keep_dead`, of tokens that died since the list
+        # was last compacted (once they are as many as the live). Otherwise
+        # a kill takes its victims out, and a walk copies the list
+        # (table_kernels.kill_rows, listed_live; DESIGN.md §3.1).
         self._a = RowArena(
             {"slot": (np.int32, -1), "live": (bool, False), "listed": (np.int32, -1)},
             (
@@ -107,7 +107,8 @@ class TokenTablePool:
     def add_request(self, req_id: str, keep_dead: bool = False) -> None:
         """Registers an empty table for a request not yet present. With
         `keep_dead` its kills leave their victims listed until the dead are
-        as many as the live (table_kernels.kill_rows; `keeps_dead_listed`)."""
+        as many as the live (table_kernels.kill_rows; which rows:
+        EvictionPolicy.scatters_victims)."""
         assert req_id not in self._row, f"{req_id!r} already has a token table"
         self._a.add(req_id)
         self._a.cols["keep_dead"][self._row[req_id]] = keep_dead
