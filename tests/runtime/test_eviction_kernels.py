@@ -150,17 +150,14 @@ def test_under_deep_checks_the_runtime_compares_the_two(monkeypatch):
 
 
 def tables(pool):
-    """The arena as evictions leave it, in two parts: each row's listed live
-    tokens and the bits; the counters (slots are checked by check_integrity
-    against the blocks) and block counts. Not how many dead each list holds: a
-    row whose victim was the fold's keeps it listed a while (kill_rows), the
-    same victim through evict_rows does not."""
+    """The whole arena, in two parts: live lists and bits; the counters and
+    block counts. Both paths kill through kill_rows with the row's
+    `keep_dead`, so even the dead each list holds agree."""
     a = pool._a
-    lists = [
-        pool.live_tokens([row])[1].tolist() for row in range(a.cols["n_live"].size)
-    ]
-    cols = [c.tolist() for name, c in a.cols.items() if name != "n_listed"]
-    return [lists, a.data["live"].tolist()], cols + [pool.block_live.tolist()]
+    return (
+        [a.data["listed"].tolist(), a.data["live"].tolist()],
+        [c.tolist() for c in a.cols.values()] + [pool.block_live.tolist()],
+    )
 
 
 def run_steps(policy, seed, num_reqs=10, steps=30):

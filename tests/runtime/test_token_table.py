@@ -437,6 +437,13 @@ def test_check_integrity_catches_a_live_list_out_of_step():
         pool.check_integrity()
 
 
+def test_a_block_size_not_a_power_of_two_is_refused_not_asserted():
+    # The kernels find a slot's block by a shift: a raise, which `python -O`
+    # keeps, should a block size get past the start-up check.
+    with pytest.raises(ValueError, match="not a power of two"):
+        TokenTablePool(16, 12)
+
+
 def test_a_list_keeping_its_dead_is_compacted_once_they_are_as_many_as_the_live():
     pool = TokenTablePool(64, B)
     pool.add_request("a", keep_dead=True)
@@ -446,6 +453,8 @@ def test_a_list_keeping_its_dead_is_compacted_once_they_are_as_many_as_the_live(
         pool.evict("a", np.array([t]))
         live = 200 - (t + 1)
         assert live <= pool._n_listed[row] < live + max(live, 16)
+        if t < 16:  # fewer dead than 16: all still listed
+            assert pool._n_listed[row] == 200
         if t in (15, 99):
             pool.check_integrity()
     assert pool._n_listed[row] < 2 * 50 + 16  # compacted along the way
@@ -456,10 +465,10 @@ def test_a_list_keeping_its_dead_is_compacted_once_they_are_as_many_as_the_live(
 
 
 def test_a_live_list_lists_the_live_tokens_only_after_every_kill():
-    """A kill takes its victims out of the list (bisecting to the first,
-    then closing up), whatever their order in the batch, so a walk copies
-    the list; after a preemption the walks stop where the slotted prefix
-    ends."""
+    """A kill takes its victims out of the list (a scan to the first, then
+    a shift or a close-up), whatever their order in the batch, so a walk
+    copies the list; after a preemption the walks stop where the slotted
+    prefix ends."""
     rng = np.random.default_rng(0)
     pool = make_pool(num_blocks=64, a=list(range(200)))
     row = pool.rows(["a"])[0]
@@ -472,6 +481,9 @@ def test_a_live_list_lists_the_live_tokens_only_after_every_kill():
         start = pool._a.start[row]
         np.testing.assert_array_equal(pool._listed[start : start + alive.size], alive)
         np.testing.assert_array_equal(pool.live_tokens([row])[1], alive)
+    pool.evict_rows(np.array([row]), np.array([0, 1]), alive[-1:])  # the last
+    alive = alive[:-1]
+    np.testing.assert_array_equal(pool.live_tokens([row])[1], alive)
     pool.check_integrity()
     pool.reset_slots("a")  # preempted: nothing slotted, the list kept
     assert pool.live_tokens([row])[1].size == 0
@@ -480,6 +492,16 @@ def test_a_live_list_lists_the_live_tokens_only_after_every_kill():
     counts, idx, _, queries = pool.read_walk([row], np.array([100]))
     np.testing.assert_array_equal(idx, alive[alive < 120])
     assert counts.tolist() == [idx.size] and queries == int((idx >= 100).sum())
+    # One victim each (slotted, as evict_rows wants them): the list's first
+    # entry, the last slotted one (unslotted ones follow it), one between.
+    slotted = alive[alive < 120]
+    for victim in (slotted[0], slotted[-1], slotted[slotted.size // 2]):
+        pool.evict_rows(np.array([row]), np.array([0, 1]), np.array([victim]))
+        alive = alive[alive != victim]
+        start = pool._a.start[row]
+        np.testing.assert_array_equal(pool._listed[start : start + alive.size], alive)
+        assert pool._n_listed[row] == alive.size
+        np.testing.assert_array_equal(pool.live_tokens([row])[1], alive[alive < 120])
     pool.check_integrity()
 
 

@@ -56,10 +56,11 @@ def indptr_of(counts: np.ndarray) -> np.ndarray:
 def block_shift(block_size: int) -> int:
     """log2(block_size): the compiled loops find a slot's block by a shift
     (a division per token costs more than the rest of their pass). vLLM's
-    block sizes are powers of two."""
-    assert block_size > 0 and block_size & (block_size - 1) == 0, (
-        f"block size {block_size} is not a power of two"
-    )
+    block sizes are powers of two; the flags' check refuses others at
+    start-up, and this raises (not an assert: `python -O` would strip it)
+    should a backend change the block size after that check."""
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"vToken: block size {block_size} is not a power of two")
     return block_size.bit_length() - 1
 
 

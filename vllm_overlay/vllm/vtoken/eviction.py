@@ -141,7 +141,8 @@ class EvictionRuntime:
         `sync_new_tokens` for the arguments)."""
         key = req_id.encode() if rng_key is None else rng_key
         r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
-        scatters = r.policy is not None and r.policy.scatters_victims
+        # The class's, as the worker reads it (RequestEviction.keeps_dead_listed).
+        scatters = r.policy is not None and type(r.policy).scatters_victims
         self.pool.add_request(req_id, keep_dead=not scatters)
         known = [i for i, p in enumerate(self._by_index) if p is r.policy]
         if not known:  # by identity: a plug-in may define __eq__

@@ -216,7 +216,9 @@ def kill_rows(
     A row with keep_dead[row] (a column: TokenTablePool.add_request) leaves
     its victims listed until the dead are as many as the live (and 16),
     then compacts: the kill then reads no list, and the walks test each
-    entry's bit (which rows: EvictionPolicy.scatters_victims). Shared by
+    entry's bit (which rows: EvictionPolicy.scatters_victims). Victims are
+    live and distinct per row (the callers check: a dead one would take a
+    live token's entry out of a list without dead). Shared by
     evict_rows and eviction_kernels.evict_lowest (whose numba cache does
     not see edits here: DEVELOPING.md). The batch in one loop: a helper
     called a row at a time (inlined, with the row's victims a slice) cost
@@ -276,9 +278,9 @@ def evict_rows(
     block_size, keep_dead,
 ):  # fmt: skip
     """Row i's tokens idx[indptr[i]:indptr[i + 1]] die (TokenTablePool.
-    evict_rows): bits cleared, blocks uncounted, and taken out of the live
-    lists (kill_rows). Returns -1, or the position in `idx` of a token
-    already dead (then nothing changed)."""
+    evict_rows): bits cleared, blocks uncounted, live lists as kill_rows
+    keeps them. Returns -1, or the position in `idx` of a token already
+    dead (then nothing changed)."""
     for i in range(rows.size):
         base = start[rows[i]]
         for j in range(indptr[i], indptr[i + 1]):

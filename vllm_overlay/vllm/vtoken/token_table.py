@@ -83,10 +83,10 @@ class TokenTablePool:
         # a slot), live bits set; slot -1 and live False outside those. The
         # live list, so that a step walks a request's live tokens and not a
         # long generation's dead history: entries [0, n_listed) of `listed`
-        # are logical indices, ascending, of the live tokens (-1 past them)
-        # and, in a row with `keep_dead`, of tokens that died since the list
-        # was last compacted (once they are as many as the live). Otherwise
-        # a kill takes its victims out, and a walk copies the list
+        # are logical indices, ascending, of the live tokens and, in a row
+        # with `keep_dead`, of tokens that died since the list was last
+        # compacted (once they are as many as the live); -1 past them.
+        # Otherwise a kill takes its victims out, and a walk copies the list
         # (table_kernels.kill_rows, listed_live; DESIGN.md §3.1).
         self._a = RowArena(
             {"slot": (np.int32, -1), "live": (bool, False), "listed": (np.int32, -1)},

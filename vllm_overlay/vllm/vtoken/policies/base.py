@@ -142,6 +142,7 @@ class EvictionPolicy(ABC):
     # many as the live, and a walk tests each entry's bit: a branch that
     # predicts well where the dead gather (the oldest, the lowest-scored),
     # and spares the kill a pass over each list (table_kernels.kill_rows).
+    # A class attribute: both sides read it from the class.
     scatters_victims: ClassVar[bool] = False
     # Steps a "persistence" score averages over (None: it counts forever).
     score_window: int | None = None
