@@ -67,9 +67,8 @@ class TokenTablePool:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
-        block_shift(
-            block_size
-        )  # a power of two: the kernels shift (table_kernels.log2)
+        # A power of two (raises otherwise): the kernels shift (table_kernels.log2).
+        block_shift(block_size)
         # Compiled batch passes; imported here, so that numba loads (and its
         # kernels compile, or come from its cache) only with vToken on.
         from vllm.vtoken import table_kernels
