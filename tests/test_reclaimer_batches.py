@@ -188,3 +188,76 @@ def test_an_evacuation_puts_each_fresh_block_where_its_own_source_was():
     assert [b.block_id for b in vt.reclaimer.positional("B")][:2] == [fresh_b, 0]
     assert vt.reclaimer.positional("C")[1].block_id == fresh_c
     assert vt.reclaimer.blocks.find("C", [fresh_c, ids["C"][1]]) == [1]
+
+
+def planned_and_acked_calls(n: int, caching: bool) -> tuple[int, int]:
+    """The Python and C calls of one plan of n requests (each with a block's
+    worth of holes in two blocks) and of its acknowledgement."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, a = setup("vtoken", caching=caching, blocks=4 * n + 8, budget=64)
+    hasher = get_request_block_hasher(B, sha256) if caching else None
+    vt._requests.clear()
+    reqs = [
+        Request(f"r{i}", list(range(100 * i, 100 * i + 12)), SamplingParams(),
+                None, block_hasher=hasher)
+        for i in range(n)
+    ]  # fmt: skip
+    vt.begin_step([])
+    for r in reqs:
+        vt._requests[r.request_id] = r
+        assert kv.allocate_slots(r, 12) is not None
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={r.request_id: 12 for r in reqs}))
+    for r in reqs:
+        r.num_computed_tokens += 12
+        r.append_output_token_ids(7)
+        vt.pool.evict(r.request_id, np.arange(1, 7))  # holes in b0 and b1
+    vt.on_output(VTokenWorkerOutput())
+    rids = [r.request_id for r in reqs]
+    planned, batch = counted(
+        lambda: vt.reclaimer.plan(rids, vt._reqs, vt._requests, rids)
+    )
+    acked, _ = counted(
+        lambda: vt.on_output(VTokenWorkerOutput(acked_batches=[batch.batch_id]))
+    )
+    assert batch.req_ids == rids  # each request planned, its part acked
+    vt.check_integrity()
+    assert not vt.reclaimer._inflight
+    return planned, acked
+
+
+def counted(run) -> tuple[int, object]:
+    """(the Python and C calls `run()` makes, what it returns)."""
+    import sys
+
+    calls = 0
+
+    def hook(frame, event, arg) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(hook)
+    try:
+        out = run()
+    finally:
+        sys.setprofile(None)
+    return calls, out
+
+
+def test_a_plan_and_its_ack_make_as_many_calls_for_16_requests_as_for_4(
+    monkeypatch,
+):
+    """Requests planned in one step are planned, bound and acknowledged in
+    one batch pass: no call per request (DESIGN.md §7.1). Without prefix
+    caching: a cached block's reference count and hash are read from vLLM's
+    object, a property call per cached block, by design."""
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", False)  # the deep checks loop
+    planned_and_acked_calls(4, caching=False)  # first calls: numba's loads
+    few, many = (planned_and_acked_calls(n, caching=False) for n in (4, 16))
+    assert few == many

@@ -1,197 +1,208 @@
 # SPDX-License-Identifier: Apache-2.0
-"""BlockIndex: block id -> entry of vLLM's positional lists, and the ids by
-entry, kept without a pass over a list."""
+"""BlockIndex: vLLM's positional lists mirrored as flat arrays, recorded as
+their blocks are slotted and changed only through the index."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from vllm.vtoken import integrity
 from vllm.vtoken.block_index import BlockIndex
 
-NULL = SimpleNamespace(block_id=0, is_null=True)
+NULL = SimpleNamespace(block_id=0, is_null=True, ref_cnt=0)
 
 
 def block(i: int, ref_cnt: int = 1) -> SimpleNamespace:
     return SimpleNamespace(block_id=i, is_null=False, ref_cnt=ref_cnt)
 
 
-def test_follows_appends_replacements_and_a_new_list():
-    lists = {"a": [block(7), block(3)]}
+def arr(*xs) -> np.ndarray:
+    return np.array(xs, np.int64)
+
+
+def ids_of(blocks) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def indexed(lists: dict[str, list]) -> BlockIndex:
+    """An index that has recorded every list whole (one step's slotting)."""
     index = BlockIndex(lists, null_id=0)
-    assert index.get("a").ids.tolist() == [7, 3]
-    lists["a"] += [block(9), block(4)]  # vLLM appends
-    assert index.find("a", [4, 7, 5]) == [0, 3]
-    index.replace("a", 1, NULL)  # freed
-    index.replace("a", 0, block(12))  # a fresh block takes an evacuated one's place
-    assert [b.block_id for b in lists["a"]] == [12, 0, 9, 4]
-    assert index.get("a").ids.tolist() == [12, 0, 9, 4]
-    assert index.find("a", [3, 7, 12]) == [0]
+    rids = list(lists)
+    n = arr(*map(len, lists.values()))
+    flat = np.array([b.block_id for r in rids for b in lists[r]], np.int64)
+    index.record(rids, np.zeros(len(rids), np.int64), n, flat)
+    return index
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    monkeypatch.setattr(integrity, "CHECK", True)  # record/planned: mirror == list
+
+
+def test_records_appends_and_a_new_list_and_reads_them_for_the_planner(checked):
+    lists = {"a": [block(7), block(3)], "b": [block(11)]}
+    index = indexed(lists)
+    lists["a"] += [block(9), block(4)]  # vLLM appends; the step slots into them
+    index.record(["a"], arr(2), arr(4), arr(9, 4))
+    ids, heads = index.planned(["b", "a"], arr(1, 3), caching=True)
+    assert ids.tolist() == [11, 7, 3, 9] and heads.tolist() == [1, 3]  # unknown: all
     index.stop_caching("a", 2)
     index.stop_caching("a", 3)  # the first count stays
-    assert index.get("a").cached_upto == 2
-    lists["a"] = [block(5)]  # preempted and resumed: vLLM's new list
-    assert index.get("a").ids.tolist() == [5] and index.get("a").cached_upto is None
-    with pytest.raises(AssertionError, match="shrank"):
-        lists["a"].pop()
-        index.get("a")
+    assert index.planned(["a"], arr(4), caching=True)[1].tolist() == [2]
+    assert index.planned(["a"], arr(1), caching=True)[1].tolist() == [1]
+    assert index.planned(["a"], arr(4), caching=False)[1].tolist() == [0]
+    with pytest.raises(AssertionError, match="not recorded"):
+        index.planned(["a"], arr(5), caching=True)
+    index.reset("a")  # preempted: vLLM frees the list, the resume makes one
+    lists["a"] = [block(5), block(6)]
+    index.record(["a"], arr(0), arr(2), arr(5, 6))
+    ids, heads = index.planned(["a"], arr(2), caching=True)
+    assert ids.tolist() == [5, 6] and heads.tolist() == [2]  # unknown again
+    index.release("a")
+    with pytest.raises(KeyError):
+        index.planned(["a"], arr(1), caching=True)
 
 
-def test_null_out_replaces_the_unshared_blocks_it_is_given(monkeypatch):
-    monkeypatch.setattr(integrity, "CHECK", True)  # every get: index == list
+def test_a_recorded_id_that_is_not_the_lists_is_named(checked):
+    lists = {"a": [block(7), block(3)]}
+    index = BlockIndex(lists, null_id=0)
+    with pytest.raises(AssertionError, match="mirror"):
+        index.record(["a"], arr(0), arr(2), arr(7, 8))
+
+
+def test_null_out_replaces_the_unshared_blocks_it_is_given(checked):
     shared = block(3, ref_cnt=2)  # a prefix-cache hit another request holds
-    lists = {"a": [block(7), shared, block(9), block(4)]}
-    index = BlockIndex(lists, null_id=0)
-    index.get("a")
-    lists["a"].append(block(5))  # vLLM appends: caught up on the way
+    lists = {"a": [block(7), shared, block(9), block(4), block(5)]}
+    index = indexed(lists)
     out = index.null_out("a", [5, 3, 7, 6], NULL, True)  # 6: not in the list
-    assert [b.block_id for b in out] == [7, 5]  # in list order, shared kept
-    assert [b.block_id for b in lists["a"]] == [0, 3, 9, 4, 0]
-    assert index.get("a").ids.tolist() == [0, 3, 9, 4, 0]
+    assert ids_of(out) == [7, 5]  # in list order, the shared one kept
+    assert ids_of(lists["a"]) == [0, 3, 9, 4, 0]
+    index.check(["a"])
     assert index.find("a", [7, 5, 3, 9]) == [1, 2]
-    monkeypatch.setattr(integrity, "CHECK", False)
-    lists["a"][2], lists["a"][3] = lists["a"][3], lists["a"][2]  # changed unseen
-    assert [b.block_id for b in index.null_out("a", [9], NULL, True)] == [9]
-    assert [b.block_id for b in lists["a"]] == [0, 3, 4, 0, 0]
-    assert [b.block_id for b in index.null_out("a", [3], NULL, False)] == [3]
-    assert [b.block_id for b in lists["a"]] == [0, 0, 4, 0, 0]
+    assert ids_of(index.null_out("a", [3], NULL, False)) == [3]
+    assert ids_of(lists["a"]) == [0, 0, 9, 4, 0]
+    assert index.planned(["a"], arr(5), caching=False)[0].tolist() == [0, 0, 9, 4, 0]
 
 
-def test_a_list_changed_unseen_is_indexed_afresh(monkeypatch):
-    monkeypatch.setattr(integrity, "CHECK", False)  # it would name the change
-    lists = {"a": [block(7), block(3), block(9)]}
-    index = BlockIndex(lists, null_id=0)
-    index.stop_caching("a", 1)
-    lists["a"][0], lists["a"][2] = lists["a"][2], lists["a"][0]
-    assert index.find("a", [7]) == [2]
-    assert index.get("a").ids.tolist() == [9, 3, 7]
-    assert index.get("a").cached_upto == 1  # same list: still known
-    monkeypatch.setattr(integrity, "CHECK", True)
-    lists["a"][1] = block(8)
-    with pytest.raises(AssertionError, match="out of date"):
-        index.get("a")
-
-
-def test_finished_requests_indexes_are_dropped():
-    lists = {f"r{i}": [block(i + 1)] for i in range(40)}
-    index = BlockIndex(lists, null_id=0)
-    for rid in list(lists):
-        index.get(rid)
-    for i in range(30):
-        del lists[f"r{i}"]  # vLLM freed them
-    lists["new"] = [block(99)]
-    index.get("new")
-    assert len(index._index) <= 2 * len(lists) + 16
-    assert index.find("r35", [36]) == [0]
-
-
-def test_null_at_frees_positional_blocks_and_keeps_the_index_true(monkeypatch):
-    shared = block(3, ref_cnt=2)
-    lists = {"a": [block(7), shared, block(9), block(4)]}
-    index = BlockIndex(lists, null_id=0)
-    index.get("a")  # indexed up to entry 3
-    lists["a"].append(block(5))  # appended since: not seen yet
-    # Blocks 5, 3, 7 at their tokens' entries 4, 1, 0: the shared one stays.
-    out = index.null_at("a", [4, 1, 0], [5, 3, 7], NULL)
-    assert [b.block_id for b in out] == [7, 5]  # in list order, as null_out
-    assert [b.block_id for b in lists["a"]] == [0, 3, 9, 4, 0]
-    monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
-    assert index.get("a").ids.tolist() == [0, 3, 9, 4, 0]
-    assert index.find("a", [7, 5, 9]) == [2]
-    # A block not at the entry given (compaction moved the token there):
-    # refused, nothing changed.
-    assert index.null_at("a", [3, 1], [4, 9], NULL) is None
-    assert [b.block_id for b in lists["a"]] == [0, 3, 9, 4, 0]
-    assert index.null_at("a", [9], [4], NULL) is None  # past the list
-
-
-def test_null_at_many_is_null_at_per_request_and_refuses_one_alone(monkeypatch):
-    """A step's freeing in one pass: each request's blocks as null_at would
-    free them, a shared block kept, and a request one of whose blocks is
-    elsewhere refused whole while the others are done."""
+def test_null_at_many_frees_where_given_or_found_and_keeps_shared(checked):
+    """A step's freeing in one pass: each block at the entry given (where
+    its tokens were written), or found where compaction left it, a shared
+    block kept, a block the list does not hold skipped; counts by request."""
     lists = {
         "a": [block(7), block(3), block(9)],
         "b": [block(11), block(12, ref_cnt=2), block(13)],
         "c": [block(21), block(22)],
     }
-    index = BlockIndex(lists, null_id=0)
-    index.get("a"), index.get("c")  # "b" never indexed
-    rids = ["a", "b", "c"]
-    # a: entries 0, 2; b: 1 (shared), 2; c: block 21 claimed at entry 1.
-    out, nulled, refused = index.null_at_many(
-        rids, [0, 0, 1, 1, 2], [0, 2, 1, 2, 1], [7, 9, 12, 13, 21], NULL
-    )
-    assert [b.block_id for b in out] == [7, 9, 13]
-    assert nulled == {0: 2, 1: 1} and refused == [2]
-    assert [[b.block_id for b in lists[r]] for r in rids] == [
-        [0, 3, 0], [11, 12, 0], [21, 22],
-    ]  # fmt: skip
-    monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
-    assert [index.get(r).ids.tolist() for r in rids] == [
-        [0, 3, 0],
-        [11, 12, 0],
-        [21, 22],
-    ]
+    index = indexed(lists)
+    rids = ["a", "b", "c", "idle"]
+    # a: entries 0, 2; b: 1 (shared), 2; c: block 21 said at entry 1 (it is
+    # at 0), block 99 in no list.
+    out, nulled = index.null_at_many(
+        rids, arr(0, 0, 1, 1, 2, 2), arr(0, 2, 1, 2, 1, 1),
+        arr(7, 9, 12, 13, 21, 99), NULL,
+    )  # fmt: skip
+    assert ids_of(out) == [7, 9, 13, 21]
+    assert nulled.tolist() == [2, 1, 1, 0]
+    assert [ids_of(lists[r]) for r in "abc"] == [[0, 3, 0], [11, 12, 0], [0, 22]]
+    index.check(list(lists))
+    assert index.find("c", [22, 21]) == [1]
 
 
-def test_entries_catch_up_only_when_looked_up(monkeypatch):
-    """`get` (the planner's, per planned request) mirrors the ids alone; the
-    id -> entry map catches up at the first lookup, and a block freed or
-    changed in between is seen there, not in a stale map."""
-    monkeypatch.setattr(integrity, "CHECK", False)  # its check builds the map
+def test_a_found_block_is_freed_in_list_order():
+    """Blocks found away from the entries given are freed in list order
+    (vLLM's free queue takes them in that order), as the given ones are."""
+    lists = {"a": [block(7), block(3), block(9), block(4)]}
+    index = indexed(lists)
+    out, _ = index.null_at_many(["a"], arr(0, 0, 0), arr(3, 3, 0), arr(9, 4, 7), NULL)
+    assert ids_of(out) == [7, 9, 4]
+
+
+def test_a_list_changed_unseen_is_mirrored_again(monkeypatch):
+    monkeypatch.setattr(integrity, "CHECK", False)  # it would name the change
     lists = {"a": [block(7), block(3), block(9)]}
-    index = BlockIndex(lists, null_id=0)
-    for extra in (block(4), block(5)):  # decode appends, one at a time
-        lists["a"].append(extra)
-        assert index.get("a").ids.tolist() == [b.block_id for b in lists["a"]]
-    assert index.get("a").at_upto == 0 and index.get("a").at == {}
-    # Freed at entry 1 before any lookup: the mirror says null there.
-    out, _, refused = index.null_at_many(["a"], [0], [1], [3], NULL)
-    assert [b.block_id for b in out] == [3] and refused == []
-    assert index.find("a", [3, 9, 5]) == [2, 4]
-    assert index.get("a").at == {7: 0, 9: 2, 4: 3, 5: 4}
-    # Appended, then changed behind the index's back past what `at` holds:
-    # the freeing notices the mirror disagrees and indexes afresh.
-    lists["a"] += [block(6), block(8)]
-    index.get("a")
-    lists["a"][5], lists["a"][6] = lists["a"][6], lists["a"][5]
-    out, _, refused = index.null_at_many(["a"], [0], [5], [8], NULL)
-    assert [b.block_id for b in out] == [8] and refused == []
-    monkeypatch.setattr(integrity, "CHECK", True)  # get: index == list
-    assert index.get("a").ids.tolist() == [7, 0, 9, 4, 5, 0, 6]
-    assert index.find("a", [6, 8]) == [6]
+    index = indexed(lists)
+    lists["a"][0], lists["a"][2] = lists["a"][2], lists["a"][0]
+    out, _ = index.null_at_many(["a"], arr(0), arr(0), arr(7), NULL)
+    assert ids_of(out) == [7] and ids_of(lists["a"]) == [9, 3, 0]
+    index.check(["a"])
+    monkeypatch.setattr(integrity, "CHECK", True)
+    lists["a"][1] = block(8)
+    with pytest.raises(AssertionError, match="changed unseen"):
+        index.null_at_many(["a"], arr(0), arr(1), arr(3), NULL)
 
 
-def test_replace_at_many_swaps_fresh_blocks_in_and_refuses_one_alone(monkeypatch):
+def test_replace_at_many_swaps_fresh_blocks_in_and_refuses_one_alone(checked):
     """A plan's evacuation in one pass: each fresh block takes its source's
-    entry, the index follows (whether or not its map had reached the entry),
-    and a request one of whose sources is elsewhere is refused whole, the
-    requests after it still given their own blocks."""
-    monkeypatch.setattr(integrity, "CHECK", True)  # every get: index == list
+    entry, and a request one of whose sources its list does not hold is
+    refused whole, the requests after it still given their own blocks."""
     lists = {
         "a": [block(7), block(3), block(9)],
         "c": [block(21), block(22), block(23)],
         "b": [block(11), block(12), block(13)],
     }
-    index = BlockIndex(lists, null_id=0)
-    index.find("a", [7])  # "a": its map caught up; "c": ids only; "b": none
-    monkeypatch.setattr(integrity, "CHECK", False)  # its check builds the maps
-    index.get("c")
+    index = indexed(lists)
     rids = ["a", "c", "b"]
     fresh = [block(40), block(41), block(42), block(43), block(44)]
-    # c: block 21 rightly at entry 0, block 22 claimed at entry 2.
-    refused = index.replace_at_many(
-        rids, [0, 0, 1, 1, 2], [2, 0, 0, 2, 1], [9, 7, 21, 22, 12], fresh
+    # c: block 21 at entry 0, block 29 in no list.
+    missing = index.replace_at_many(
+        rids, arr(0, 0, 1, 1, 2), arr(2, 0, 0, 2, 1), arr(9, 7, 21, 29, 12), fresh
     )
-    assert refused == [1]
-    assert [[b.block_id for b in lists[r]] for r in rids] == [
-        [41, 3, 40], [21, 22, 23], [11, 44, 13],
-    ]  # fmt: skip
-    monkeypatch.setattr(integrity, "CHECK", True)  # and no stale entry in a map
-    assert [index.get(r).ids.tolist() for r in rids] == [
-        [41, 3, 40], [21, 22, 23], [11, 44, 13],
-    ]  # fmt: skip
+    assert missing == [1]
+    assert [ids_of(lists[r]) for r in rids] == [[41, 3, 40], [21, 22, 23], [11, 44, 13]]
+    index.check(rids)
     assert index.find("a", [40, 41, 7, 9]) == [0, 2]
-    assert index.find("b", [44, 12]) == [1]
     with pytest.raises(ValueError, match="2 blocks for 1 entries"):
-        index.replace_at_many(["a"], [0], [1], [3], fresh[:2])
+        index.replace_at_many(["a"], arr(0), arr(1), arr(3), fresh[:2])
+
+
+def test_replace_puts_a_source_back():
+    lists = {"a": [block(7), block(3)]}
+    index = indexed(lists)
+    source = lists["a"][0]
+    index.replace_at_many(["a"], arr(0), arr(0), arr(7), [block(40)])
+    (i,) = index.find("a", [40])
+    index.replace("a", i, source)  # an undone evacuation
+    assert ids_of(lists["a"]) == [7, 3]
+    index.check(["a"])
+
+
+def test_finished_requests_rows_are_reused():
+    lists = {f"r{i}": [block(i + 1)] for i in range(40)}
+    index = indexed(lists)
+    for i in range(30):
+        index.release(f"r{i}")
+        del lists[f"r{i}"]  # vLLM freed them
+    lists["new"] = [block(99), block(98)]
+    index.record(["new"], arr(0), arr(2), arr(99, 98))
+    assert len(index._a.index) == 11
+    assert index.find("r35", [36]) == [0] and index.find("new", [98]) == [1]
+    index.check(list(lists))
+
+
+def test_many_rows_growing_keep_their_entries(checked):
+    """Regions grow and the arena compacts (arena.py) as lists grow a block
+    at a time, the decode's pattern; every mirror stays its list's."""
+    rng = np.random.default_rng(0)
+    lists = {f"r{i}": [] for i in range(50)}
+    index = BlockIndex(lists, null_id=0)
+    next_id = 1
+    for _ in range(40):
+        rids = [r for r in lists if rng.random() < 0.5]
+        first = arr(*(len(lists[r]) for r in rids))
+        grow = rng.integers(1, 4, len(rids))
+        new = []
+        for r, g in zip(rids, grow.tolist(), strict=True):
+            for _ in range(g):
+                lists[r].append(block(next_id))
+                new.append(next_id)
+                next_id += 1
+        index.record(rids, first, first + grow, np.array(new, np.int64))
+    index.check(list(lists))
+    last = lists["r3"][-1]
+    out, nulled = index.null_at_many(
+        list(lists), arr(3, 7), arr(-1, -1), arr(last.block_id, 10**6), NULL,
+        unshared_only=False,
+    )  # fmt: skip
+    assert out == [last] and lists["r3"][-1] is NULL and nulled.sum() == 1
+    index.check(list(lists))

@@ -113,3 +113,24 @@ def test_a_worker_takes_a_transported_step_as_its_own():
             assert torch.equal(k_new[dst // 16, :, :, dst % 16], k_old[0, :, :, src])
             assert torch.equal(new[1, dst // 16, :, dst % 16], old[1, 0, :, src])
     assert worker.end_step().acked_batches == [0]
+
+
+def test_the_workers_tables_keep_dead_listed_by_the_requests_own_policy():
+    """`VTokenWorker._add` makes each table as the scheduler makes its own
+    (EvictionRuntime.register, tests/runtime/test_eviction.py): a Random row
+    takes its victims out of its live list at once, the engine's policy's
+    and an opted-out request's keep them listed a while."""
+    worker, _ = cpu_worker(num_blocks=4, block_size=16)
+    args = {
+        "engine": None,
+        "random": {"kv_eviction_policy": "random", "kv_budget_tokens": 32},
+        "none": {"kv_eviction_policy": "none"},
+    }
+    requests = {
+        rid: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))
+        for rid, extra in args.items()
+    }
+    for rid in args:
+        worker._add(rid, requests)
+    keep = worker.pool._a.cols["keep_dead"][worker.pool.rows(list(args))]
+    assert keep.tolist() == [1, 0, 1]

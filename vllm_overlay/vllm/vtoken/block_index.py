@@ -1,258 +1,267 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where each request's blocks are in vLLM's positional list, without scans.
+"""vLLM's positional block lists, mirrored as flat arrays.
 
 Scheduler side, for reclaimer.py. vLLM keeps a request's blocks as a Python
-list of block objects (`req_to_blocks[rid]`, token i in entry i // B); finding
-a block in it, or reading every entry's id, is a pass over the list in Python.
-`BlockIndex` keeps, per list, the ids by entry (a NumPy mirror) and the entry
-of each non-null block id (a dict), so freeing costs per freed block and the
-planner reads ids with NumPy::
+list of block objects (`req_to_blocks[rid]`, token i in entry i // B):
+reading every entry's id, or finding a block, is a pass over the list in
+Python, per request. `BlockIndex` keeps each list's ids by entry in one
+arena (arena.py), a row per request, so the planner reads the ids of every
+planned request at once and the freeing finds its blocks in one compiled
+pass (block_kernels.py)::
 
     req_to_blocks[rid]  [b7, b3, null, b4]      (vLLM's objects)
-    ids                 [ 7,  3,    0,  4]      null is block 0
-    at                  {7: 0, 3: 1, 4: 3}
+    mirror row          [ 7,  3,    0,  4]      n = 4; null is block 0
 
-The planner reads `ids` of every request it plans, each plan; `at` is only
-for lookups (freeing a source, swapping in a fresh block), so it catches up
-with `ids` at the first lookup rather than on every append.
-
-vLLM only appends to a running request's list (the index catches up with the
-new tail when next asked) and makes a new list when a preempted request
-resumes (a new index); every other change goes through `replace`
-(`null_out`, and for a batch at known entries `null_at_many` and
-`replace_at_many`). A lookup that finds another block where the index says is
-answered from a new index.
+The mirror is written where vLLM's new blocks are read anyway: the
+scheduler's `_sync_slots` reads the ids of the blocks past each request's
+tail to slot its tokens, and `record`s them (one call a step). vLLM only
+appends to a running request's list, and makes a new list when a preempted
+request resumes (`reset` at the preemption; the resume's tokens are slotted
+from entry 0, so its whole list is recorded again). Every other change to a
+list goes through here (`null_at_many`, `replace_at_many`, `null_out`,
+`replace`), which changes vLLM's list and the mirror together. Each block
+changed is checked against vLLM's object first: a list changed behind the
+mirror's back (none is known) is mirrored again from vLLM's list, not
+trusted. `check` compares every mirror with its list (integrity mode).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from itertools import repeat
-from operator import attrgetter
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress, islice, repeat
+from operator import attrgetter, getitem, setitem
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vllm.vtoken import integrity
+from vllm.vtoken.arena import RowArena, ranges
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 _ID = attrgetter("block_id")
-
-
-class Positions:
-    """One list's index: `ids` [n] by entry (a view of `buf`, which grows by
-    doubling), `at` block id -> entry (non-null) for the entries [0, at_upto),
-    both for the entries [0, n) seen. `at` catches up only when a lookup
-    needs it (`BlockIndex.entries`): the planner reads `ids` of every planned
-    request each plan, and a dict update per appended block cost it most of
-    its per-request time. `cached_upto`: vLLM caches no entry at or past it
-    (and so shares none, sharing goes through the cache), or None while
-    unknown."""
-
-    __slots__ = ("at", "at_upto", "blocks", "buf", "cached_upto", "ids")
-
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self.blocks, self.at, self.at_upto = blocks, {}, 0
-        self.buf = np.zeros(max(len(blocks), 4), dtype=np.int64)
-        self.ids = self.buf[:0]
-        self.cached_upto: int | None = None
+_REF_CNT = attrgetter("ref_cnt")
 
 
 class BlockIndex:
+    """Rows keyed by request id: `ids` entries [0, n) mirror the first n of
+    its list; `cached_upto`: vLLM caches no entry at or past it (and so
+    shares none: sharing goes through the cache), -1 while unknown."""
+
     def __init__(self, req_to_blocks: dict[str, list], null_id: int) -> None:
-        self._lists = req_to_blocks  # vLLM's, read only
+        from vllm.vtoken import block_kernels  # numba: vToken on only
+
+        self._k = block_kernels
+        self._lists = req_to_blocks  # vLLM's: changed only through here
         self._null_id = null_id
-        self._index: dict[str, Positions] = {}
+        self._a = RowArena({"ids": (np.int32, -1)}, ("n", "cached_upto"))
 
-    def get(self, rid: str, fresh: bool = False) -> Positions:
-        """The index of `rid`'s current list, caught up with vLLM's appends."""
-        blocks = self._lists[rid]
-        index = self._index.get(rid)
-        if fresh or index is None or index.blocks is not blocks:
-            if len(self._index) > 2 * len(self._lists) + 16:
-                self._index = {  # drop finished requests' indexes
-                    r: x
-                    for r, x in self._index.items()
-                    if self._lists.get(r) is x.blocks
-                }
-            old, index = index, Positions(blocks)
-            if old is not None and old.blocks is blocks:
-                index.cached_upto = old.cached_upto
-            self._index[rid] = index
-        done, n = index.ids.size, len(blocks)
-        if done != n:
-            assert done < n, f"{rid}: a positional list shrank"
-            if n > index.buf.size:
-                buf = np.zeros(2 * n, dtype=np.int64)
-                buf[:done] = index.ids
-                index.buf = buf
-            if n - done == 1:  # one block (decode): a fifth of the list path
-                index.buf[done] = blocks[done].block_id
-            else:
-                index.buf[done:n] = list(map(_ID, blocks[done:]))
-            index.ids = index.buf[:n]
+    # ------------------------------------------------------------ lifecycle
+    def record(
+        self, rids: Sequence[str], first: np.ndarray, end: np.ndarray, ids
+    ) -> None:
+        """vLLM's lists of rids[i] (distinct) hold blocks `ids` (int64, flat,
+        request by request) at entries [first[i], end[i]): the blocks a
+        step's tokens were slotted into."""
+        a = self._a
+        rows = a.rows_adding(rids, lambda i: self._add(rids[i]))
+        a.reserve(rows, end)
+        self._k.write_entries(
+            rows, first, end, ids, a.start, a.cols["n"], a.data["ids"]
+        )
         if integrity.CHECK:
-            ids = [b.block_id for b in blocks]
-            assert index.ids.tolist() == ids, f"{rid}: block ids out of date"
-            held = {b: i for i, b in enumerate(ids) if b != self._null_id}
-            assert self.entries(index) == held, f"{rid}: block entries out of date"
-        return index
+            self.check(rids)
 
-    def entries(self, index: Positions) -> dict[int, int]:
-        """`index.at`, caught up with its `ids`: block id -> entry."""
-        k, n = index.at_upto, index.ids.size
-        if k != n:
-            index.at.update(zip(index.ids[k:n].tolist(), range(k, n), strict=True))
-            index.at.pop(self._null_id, None)
-            index.at_upto = n
-        return index.at
+    def reset(self, rid: str) -> None:
+        """Preempted: vLLM frees the list; the resume's is recorded anew."""
+        row = self._a.index.get(rid)
+        if row is not None:
+            self._a.cols["n"][row] = 0
+            self._a.cols["cached_upto"][row] = -1
+
+    def release(self, rid: str) -> None:
+        """Finished or aborted: the request's row goes."""
+        if rid in self._a.index:
+            self._a.remove(rid)
+
+    def stop_caching(self, rid: str, num_cached: int) -> None:
+        """vLLM will cache no more of `rid`'s current list: `num_cached`
+        entries (its `num_cached_block`) are all it may have cached. The
+        first count stays until the list is new."""
+        row = self._a.rows_adding([rid], lambda _: self._add(rid))[0]
+        upto = self._a.cols["cached_upto"]
+        if upto[row] < 0:
+            upto[row] = num_cached
+
+    # ------------------------------------------------------------ reads
+    def planned(
+        self, rids: Sequence[str], counts: np.ndarray, caching: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, heads) for the planner: the ids of entries [0, counts[i])
+        of each list, flat (int64), and how many of them vLLM may have
+        cached (and so shared): entries below its `cached_upto`, all while
+        that is unknown, none without `caching`."""
+        a = self._a
+        rows = a.rows(rids)
+        assert (counts <= a.cols["n"][rows]).all(), "an entry not recorded"
+        if integrity.CHECK:
+            self.check(rids)
+        ids = a.data["ids"][ranges(a.start[rows], counts)].astype(np.int64)
+        if not caching:
+            return ids, np.zeros(len(rids), np.int64)
+        upto = a.cols["cached_upto"][rows]
+        return ids, np.where(upto < 0, counts, np.minimum(upto, counts))
 
     def find(self, rid: str, ids: Iterable[int]) -> list[int]:
         """Ascending entries of `rid`'s list holding blocks among `ids` (a
         block it does not hold, such as a displaced source, has none)."""
-        return self._locate(rid, list(ids))[1]
+        ids = np.fromiter(ids, np.int64)
+        rows = np.full(ids.size, self._a.index[rid], np.int64)
+        at = self._locate(rows, np.full(ids.size, -1, np.int64), ids)
+        return sorted(at[at >= 0].tolist())
 
-    def null_out(
-        self, rid: str, ids: list[int], null: KVCacheBlock, unshared_only: bool
-    ) -> list[KVCacheBlock]:
-        """`replace` with `null` every entry of `rid`'s list holding a block
-        among `ids` (with `unshared_only`, one no other request holds:
-        ref_cnt 1); returns those blocks, in list order. One lookup of the
-        index per request, not one per block."""
-        index, entries = self._locate(rid, ids)
-        blocks, out = self._lists[rid], []
-        for i in entries:
-            block = blocks[i]
-            if not unshared_only or block.ref_cnt == 1:
-                del index.at[block.block_id]
-                blocks[i] = null
-                index.ids[i] = null.block_id
-                out.append(block)
-        return out
-
-    def null_at(
-        self,
-        rid: str,
-        entries: list[int],
-        ids: list[int],
-        null: KVCacheBlock,
-        unshared_only: bool = True,
-    ) -> list[KVCacheBlock] | None:
-        """`null_out(rid, ids, null, unshared_only)` where block ids[i] is at
-        entries[i] of the list (where its tokens were written, or where the
-        planner found it): checked, then done without the index's catch-up.
-        None, and nothing done, if one is elsewhere."""
-        at = sorted(zip(entries, ids, strict=True))  # in list order, as null_out
-        out, _, refused = self.null_at_many(
-            [rid], [0] * len(at), [e for e, _ in at], [b for _, b in at], null,
-            unshared_only,
-        )  # fmt: skip
-        return None if refused else out
-
+    # ------------------------------------------------------------ changes
     def null_at_many(
         self,
-        rids: list[str],
-        seg: list[int],
-        entries: list[int],
-        ids: list[int],
+        rids: Sequence[str],
+        seg: np.ndarray,
+        entries: np.ndarray,
+        ids: np.ndarray,
         null: KVCacheBlock,
         unshared_only: bool = True,
-    ) -> tuple[list[KVCacheBlock], dict[int, int], list[int]]:
-        """`null_at` for many requests in one pass over their blocks (the
-        freeing of a step's emptied blocks): block ids[j] at entries[j] of
-        rids[seg[j]]'s list; `seg` grouped, entries ascending within a group.
+    ) -> tuple[list[KVCacheBlock], np.ndarray]:
+        """The entries of the lists holding blocks `ids` become `null`, for
+        many requests in one pass (the freeing of a step's emptied blocks,
+        or of a batch's sources): block ids[j] of rids[seg[j]]'s list, at
+        entries[j] where it is there (where its tokens were written, or
+        where the planner found it), else wherever it is; a block the list
+        does not hold is skipped, and with `unshared_only` a block another
+        request holds (ref_cnt > 1). Int64 arrays, `seg` grouped.
 
         Returns:
-            (out, nulled, refused): the blocks null-replaced, in that order;
-            how many group k null-replaced (groups with none left out); the
-            groups one of whose blocks is elsewhere, nothing done for them.
+            (out, nulled): the blocks null-replaced, in list order per
+            request; how many each of `rids` null-replaced (int64).
         """
         return self._replace_at(rids, seg, entries, ids, repeat(null), unshared_only)
 
     def replace_at_many(
         self,
-        rids: list[str],
-        seg: list[int],
-        entries: list[int],
-        ids: list[int],
+        rids: Sequence[str],
+        seg: np.ndarray,
+        entries: np.ndarray,
+        ids: np.ndarray,
         blocks: list[KVCacheBlock],
     ) -> list[int]:
-        """Entry entries[j] of rids[seg[j]]'s list, holding block ids[j],
-        becomes blocks[j], for many requests in one pass (`seg` grouped):
-        the fresh blocks of a plan taking its evacuated sources' places,
-        where the planner found them. Returns the groups one of whose blocks
-        is elsewhere, nothing done for them."""
+        """The entry of rids[seg[j]]'s list holding block ids[j] (entries[j],
+        where the planner found it) becomes blocks[j], for many requests in
+        one pass: the fresh blocks of a plan taking the places of its
+        evacuated sources. Returns the requests (positions in `rids`) one of
+        whose blocks their lists do not hold, nothing done for them."""
         if len(blocks) != len(ids):
             raise ValueError(f"{len(blocks)} blocks for {len(ids)} entries")
-        return self._replace_at(rids, seg, entries, ids, blocks, False)[2]
+        at = self._locate(self._rows_of(rids, seg)[1], entries, ids)
+        missing = sorted(set(seg[at < 0].tolist()))
+        if missing:
+            keep = ~np.isin(seg, missing)
+            seg, entries, ids = seg[keep], entries[keep], ids[keep]
+            blocks = [b for b, k in zip(blocks, keep.tolist(), strict=True) if k]
+        self._replace_at(rids, seg, entries, ids, iter(blocks), False)
+        return missing
 
-    def _replace_at(self, rids, seg, entries, ids, new, unshared_only):
-        """null_at_many's and replace_at_many's pass: `new` yields the
-        block each entry gets, in order."""
-        lists, refused, k0 = self._lists, set(), -1
-        for k, e, b in zip(seg, entries, ids, strict=True):
-            if k != k0:
-                k0, blocks = k, lists[rids[k]]
-                n = len(blocks)
-            if e >= n or blocks[e].block_id != b:
-                refused.add(k)
-        out, nulled, k0, index = [], {}, -1, None
-        # `new` may be endless (repeat): the lengths were checked above.
-        for (k, e), put in zip(zip(seg, entries, strict=True), new, strict=False):
-            if k in refused:
-                continue
-            if k != k0:
-                k0, rid = k, rids[k]
-                blocks, index = lists[rid], self._index.get(rid)
-                if index is not None and index.blocks is not blocks:
-                    index = None
-            block = blocks[e]
-            if unshared_only and block.ref_cnt != 1:
-                continue
-            if index is not None and e < index.ids.size:  # seen: keep it so
-                if e < index.at_upto:
-                    seen = index.at.pop(block.block_id, None) == e
-                else:  # past the entries `at` holds yet
-                    seen = index.ids[e] == block.block_id
-                if not seen:  # changed unseen
-                    del self._index[rid]  # indexed afresh when next asked
-                    index = None
-                else:
-                    index.ids[e] = put.block_id
-                    if e < index.at_upto and put.block_id != self._null_id:
-                        index.at[put.block_id] = e
-            blocks[e] = put
-            out.append(block)
-            nulled[k] = nulled.get(k, 0) + 1
-        return out, nulled, sorted(refused)
-
-    def _locate(self, rid: str, ids: list[int]) -> tuple[Positions, list[int]]:
-        """(`rid`'s index, caught up; `find`'s entries)."""
-        blocks = self._lists[rid]
-        for fresh in (False, True):
-            index = self.get(rid, fresh)
-            at = self.entries(index)
-            found = [(i, b) for b in ids if (i := at.get(b)) is not None]
-            if all(blocks[i].block_id == b for i, b in found):
-                break  # else the list changed unseen: index it afresh
-        return index, sorted(i for i, _ in found)
+    def null_out(
+        self, rid: str, ids: list[int], null: KVCacheBlock, unshared_only: bool
+    ) -> list[KVCacheBlock]:
+        """`null_at_many` of one request's blocks `ids`, wherever they are."""
+        ids = np.asarray(ids, np.int64)
+        seg, no_hint = np.zeros(ids.size, np.int64), np.full(ids.size, -1, np.int64)
+        return self.null_at_many([rid], seg, no_hint, ids, null, unshared_only)[0]
 
     def replace(self, rid: str, entry: int, block: KVCacheBlock) -> None:
-        """Entry `entry` of `rid`'s list becomes `block` (null, fresh, or the
-        evacuated source an undone evacuation puts back)."""
-        index, blocks = self.get(rid), self._lists[rid]
-        at = self.entries(index)
-        del at[blocks[entry].block_id]
-        blocks[entry] = block
-        index.ids[entry] = block.block_id
-        if block.block_id != self._null_id:
-            at[block.block_id] = entry
+        """Entry `entry` of `rid`'s list becomes `block` (the evacuated
+        source an undone evacuation puts back)."""
+        a = self._a
+        row = a.index[rid]
+        assert entry < a.cols["n"][row], f"{rid}: entry {entry} not recorded"
+        self._lists[rid][entry] = block
+        a.data["ids"][a.start[row] + entry] = block.block_id
 
-    def stop_caching(self, rid: str, num_cached: int) -> None:
-        """vLLM will cache no more of `rid`'s current list: `num_cached`
-        entries (its `num_cached_block`) are all it may have cached."""
-        index = self.get(rid)
-        if index.cached_upto is None:
-            index.cached_upto = num_cached
+    # ------------------------------------------------------------ invariants
+    def check(self, rids: Sequence[str]) -> None:
+        """Each mirror holds its list's ids (the first n entries)."""
+        a = self._a
+        for rid in rids:
+            row = a.index.get(rid)
+            if row is None or a.cols["n"][row] == 0:
+                continue
+            blocks = self._lists.get(rid, [])
+            got = a.data["ids"][a.span(row, a.cols["n"][row])].tolist()
+            want = [b.block_id for b in blocks[: len(got)]]
+            assert got == want, f"{rid}: block ids {got} mirror {want}"
+
+    # ------------------------------------------------------------ internals
+    def _add(self, rid: str) -> None:
+        row = self._a.add(rid)  # may grow the columns: read them after
+        self._a.cols["cached_upto"][row] = -1
+
+    def _rows_of(self, rids, seg) -> tuple[list[str], np.ndarray]:
+        """(rid, rows): the request and the row of each of `seg` (C loops:
+        rids may be a whole batch, of which seg names a few)."""
+        rid = list(map(rids.__getitem__, seg.tolist()))
+        get = self._a.index.__getitem__
+        return rid, np.fromiter(map(get, rid), np.int64, len(rid))
+
+    def _locate(self, rows, hint, ids) -> np.ndarray:
+        """block_kernels.locate: the entries of blocks ids[j] in rows[j]."""
+        a = self._a
+        return self._k.locate(rows, hint, ids, a.start, a.cols["n"], a.data["ids"])
+
+    def _resync(self, rid: str) -> None:
+        """Mirror `rid`'s list again from vLLM's objects."""
+        a = self._a
+        row = a.index[rid]
+        blocks = self._lists[rid]
+        a.reserve(np.array([row]), np.array([len(blocks)]))
+        a.data["ids"][a.span(row, len(blocks))] = list(map(_ID, blocks))
+        a.cols["n"][row] = len(blocks)
+
+    def _replace_at(self, rids, seg, hint, ids, new: Iterator, unshared_only):
+        """null_at_many's and replace_at_many's pass: `new` yields the block
+        each of `ids` gets, in order. The loops over blocks are in C (map);
+        vLLM's objects are read and written, a block at a time, by them."""
+        rid, rows = self._rows_of(rids, seg)
+        at = self._locate(rows, hint, ids)
+        new = list(islice(new, ids.size))
+        found = at >= 0  # else not in the list (a displaced source)
+        if not found.all():
+            keep = found.tolist()
+            seg, at, ids, rows = seg[found], at[found], ids[found], rows[found]
+            rid, new = list(compress(rid, keep)), list(compress(new, keep))
+            hint = hint[found]
+        if (at != hint).any():  # not all where given: into list order
+            order = np.lexsort((at, seg))
+            seg, at, ids, rows = seg[order], at[order], ids[order], rows[order]
+            rid = list(map(rid.__getitem__, order.tolist()))
+            new = list(map(new.__getitem__, order.tolist()))
+        lists = list(map(self._lists.__getitem__, rid))
+        at_l = at.tolist()
+        blocks = list(map(getitem, lists, at_l))
+        # Checked against vLLM's objects: a list changed behind the mirror's
+        # back is mirrored again, and its blocks searched again.
+        stale = np.fromiter(map(_ID, blocks), np.int64, len(blocks)) != ids
+        if stale.any():
+            assert not integrity.CHECK, f"lists changed unseen: {set(rid)}"
+            for r in set(compress(rid, stale.tolist())):
+                self._resync(r)
+            return self._replace_at(rids, seg, at, ids, iter(new), unshared_only)
+        if unshared_only:  # a block another request holds stays
+            done = np.fromiter(map(_REF_CNT, blocks), np.int64, len(blocks)) == 1
+            if not done.all():
+                keep = done.tolist()
+                seg, at, rows = seg[done], at[done], rows[done]
+                lists, at_l = list(compress(lists, keep)), list(compress(at_l, keep))
+                blocks, new = list(compress(blocks, keep)), list(compress(new, keep))
+        any(map(setitem, lists, at_l, new))  # vLLM's lists: setitem gives None
+        a = self._a  # the mirror follows
+        a.data["ids"][a.start[rows] + at] = np.fromiter(map(_ID, new), np.int64)
+        return blocks, np.bincount(seg, minlength=len(rids))

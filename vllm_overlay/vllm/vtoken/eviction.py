@@ -26,6 +26,7 @@ from vllm.vtoken.policies.base import (
     RequestView,
     check_answers,
     is_builtin,
+    keeps_dead_listed,
 )
 from vllm.vtoken.seeding import request_rng
 from vllm.vtoken.token_table import TokenTablePool
@@ -141,9 +142,9 @@ class EvictionRuntime:
         `sync_new_tokens` for the arguments)."""
         key = req_id.encode() if rng_key is None else rng_key
         r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
-        # The class's, as the worker reads it (RequestEviction.keeps_dead_listed).
-        scatters = r.policy is not None and type(r.policy).scatters_victims
-        self.pool.add_request(req_id, keep_dead=not scatters)
+        # By the policy's class, as the worker's table (VTokenWorker._add).
+        policy = type(r.policy) if r.policy is not None else None
+        self.pool.add_request(req_id, keep_dead=keeps_dead_listed(policy))
         known = [i for i, p in enumerate(self._by_index) if p is r.policy]
         if not known:  # by identity: a plug-in may define __eq__
             self._by_index.append(r.policy)

@@ -29,11 +29,10 @@ pass over a request's list in Python.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from itertools import chain, compress
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,6 +48,7 @@ from vllm.vtoken.request_state import RequestState
 _NEVER = 1 << 62  # a block count no request reaches
 _ID = attrgetter("block_id")
 _COMPUTED = attrgetter("num_computed_tokens")
+_MOVE_BATCH = attrgetter("move_batch")
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -154,18 +154,15 @@ class BlockReclaimer:
             if not idle.any():
                 return
             seg, blk, entry = seg[idle], blk[idle], entry[idle]
-        # Mostly where their tokens were written (null_at_many: no index),
+        # Where their tokens were written, mostly (else found in the list),
         # in list order per request, as _null_out frees them.
         order = np.lexsort((entry, seg))
-        seg, blk = seg[order].tolist(), blk[order].tolist()
-        freed, nulled, refused = self.blocks.null_at_many(
-            rids, seg, entry[order].tolist(), blk, self.block_pool.null_block
+        freed, nulled = self.blocks.null_at_many(
+            rids, seg[order], entry[order], blk[order], self.block_pool.null_block
         )
-        if nulled:  # the groups are distinct requests: one add
-            pool.add_nulls(rows[list(nulled)], list(nulled.values()))
-        for k in refused:  # elsewhere in the list: found through the index
-            ids = blk[bisect_left(seg, k) : bisect_right(seg, k)]  # seg sorted
-            freed += self._null_out(rids[k], ids, unshared_only=True)
+        held = np.flatnonzero(nulled)
+        if held.size:  # distinct requests: one add
+            pool.add_nulls(rows[held], nulled[held])
         self._free(freed)
 
     def release_blocks(self, rid: str, blocks: list[KVCacheBlock]) -> None:
@@ -223,15 +220,13 @@ class BlockReclaimer:
         seg = np.repeat(kept, s[kept + 1] - first)
         order = np.lexsort((moves.src_at[at], seg))
         at, seg = at[order], seg[order]
-        _, nulled, refused = self.blocks.null_at_many(
-            rids, seg.tolist(), moves.src_at[at].tolist(), moves.src_ids[at].tolist(),
-            null, unshared_only=False,
-        )  # fmt: skip
-        if nulled:  # the groups are distinct requests: one add
-            held = self.pool.rows([rids[k] for k in nulled])
-            self.pool.add_nulls(held, list(nulled.values()))
-        for k in refused:  # elsewhere in the list: found through the index
-            self._null_out(rids[k], moves.src_ids[s[k] : s[k + 1]].tolist())
+        _, nulled = self.blocks.null_at_many(
+            rids, seg, moves.src_at[at], moves.src_ids[at], null, unshared_only=False
+        )
+        held = np.flatnonzero(nulled)
+        if held.size:  # distinct requests: one add
+            rows = self.pool.rows([rids[k] for k in held.tolist()])
+            self.pool.add_nulls(rows, nulled[held])
         # Destinations with no live token: rare, so looked for at once.
         empty = self.pool.block_live[moves.dst_ids] == 0
         if empty.any():
@@ -343,34 +338,33 @@ class BlockReclaimer:
         # while its last batch is still copying (GPU side stream): its slots
         # switch when that completes, so it is planned on the settled state.
         ripe = pool.plan_due(rows)
-        busy = np.fromiter((r.move_batch is not None for r in recs), bool, len(recs))
+        busy = np.fromiter(map(is_not, map(_MOVE_BATCH, recs), repeat(None)), bool)
         self.counters.deferred_plans += int((ripe & busy).sum())
         chosen = np.flatnonzero(ripe & ~busy)
         pool.mark_rows(rows[chosen])
         chosen = chosen.tolist()
         rids = [due[k] for k in chosen]
-        # Full blocks written before this step; the tail is being filled.
-        nfull = (attrs(values(requests, rids), _COMPUTED) // B).tolist()
-        ids, heads = [], []
-        for rid, n in zip(rids, nfull, strict=True):
-            index = self.blocks.get(rid)
-            ids.append(index.ids[:n])
-            # The blocks vLLM may have cached (and so shared) are read one by
-            # one: a block's reference count and hash live on its object.
-            upto = n if index.cached_upto is None else index.cached_upto
-            upto = upto if self._caching else 0
-            heads.append(index.blocks[: min(upto, n)])  # vLLM's list
         if not rids:
             return None
-        counts = np.fromiter(map(len, ids), np.int64, len(ids))
-        ids = np.concatenate(ids)
-        head = list(chain.from_iterable(heads))
+        # Full blocks written before this step; the tail is being filled. The
+        # blocks vLLM may have cached (and so shared) are read one by one: a
+        # block's reference count and hash live on its object.
+        counts = attrs(values(requests, rids), _COMPUTED) // B
+        ids, num_heads = self.blocks.planned(rids, counts, self._caching)
+        head = ids[ranges(indptr_of(counts)[:-1], num_heads)].tolist()
         code = np.fromiter(
-            [b.ref_cnt * 2 + (b.block_hash is not None) for b in head], np.int64
+            [
+                x.ref_cnt * 2 + (x.block_hash is not None)
+                for x in map(self.block_pool.blocks.__getitem__, head)
+            ],
+            np.int64,
+            len(head),
         )
         if integrity.CHECK:  # past cached_upto: neither shared nor cached
-            for rid, h, n in zip(rids, heads, counts.tolist(), strict=True):
-                rest = self.positional(rid)[len(h) : n]
+            for rid, h, n in zip(
+                rids, num_heads.tolist(), counts.tolist(), strict=True
+            ):
+                rest = self.positional(rid)[h:n]
                 assert all(
                     b.is_null or (b.ref_cnt == 1 and b.block_hash is None) for b in rest
                 ), f"{rid}: a block past cached_upto is shared or cached"
@@ -378,8 +372,7 @@ class BlockReclaimer:
         # shared ones are never moved. Uncached holes are filled first, then
         # cached ones from the chain's end (prio). One compiled pass.
         req_indptr, block_ids, live, is_cached, pos, prio = self._candidate_blocks(
-            ids, counts, np.fromiter(map(len, heads), np.int64, len(heads)), code,
-            self.pool.block_live, self._null_id, B,
+            ids, counts, num_heads, code, self.pool.block_live, self._null_id, B,
         )  # fmt: skip
         common = dict(
             req_indptr=req_indptr,
@@ -525,12 +518,12 @@ class BlockReclaimer:
         found the sources (src_at) a moment ago."""
         nf = np.diff(moves.fresh_indptr)
         at = ranges(moves.src_indptr[:-1], nf)
-        refused = self.blocks.replace_at_many(
-            moves.batch.req_ids, np.repeat(np.arange(nf.size), nf).tolist(),
-            moves.src_at[at].tolist(), moves.src_ids[at].tolist(), moves.fresh,
+        missing = self.blocks.replace_at_many(
+            moves.batch.req_ids, np.repeat(np.arange(nf.size), nf),
+            moves.src_at[at], moves.src_ids[at], moves.fresh,
         )  # fmt: skip
-        if refused:  # the plan read the entries a moment ago: a broken index
+        if missing:  # the plan read the lists a moment ago: a broken mirror
             raise RuntimeError(
-                f"{[moves.batch.req_ids[k] for k in refused]}: an evacuated "
-                "source is not where the plan found it"
+                f"{[moves.batch.req_ids[k] for k in missing]}: an evacuated "
+                "source is not in its list"
             )

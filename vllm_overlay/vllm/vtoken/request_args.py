@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.vtoken.policies import BROKEN, POLICIES, create_policy
+from vllm.vtoken.policies.base import keeps_dead_listed
 
 if TYPE_CHECKING:
     from vllm.vtoken.config import VTokenConfig
@@ -57,8 +58,8 @@ class RequestEviction:
     @property
     def keeps_dead_listed(self) -> bool:
         """Whether its Token Tables leave victims listed a while
-        (EvictionPolicy.scatters_victims, TokenTablePool.add_request)."""
-        return not (self.evicts and POLICIES[self.policy].scatters_victims)
+        (policies.base.keeps_dead_listed)."""
+        return keeps_dead_listed(POLICIES[self.policy] if self.evicts else None)
 
 
 def request_eviction(

@@ -28,8 +28,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from itertools import chain, compress
-from operator import attrgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, eq
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -261,10 +261,10 @@ class VTokenScheduler:
         dropped their part already)."""
         moves = self.reclaimer.pop_batch(batch_id)
         batch = moves.batch
-        recs = [self._reqs.get(rid) for rid in batch.req_ids]
-        keep = np.fromiter(
-            (r is not None and r.move_batch == batch_id for r in recs), bool, len(recs)
-        )
+        # The loops in C (map): a request gone since has no state (None).
+        recs = list(map(self._reqs.get, batch.req_ids))
+        waiting = map(getattr, recs, repeat("move_batch"), repeat(None))
+        keep = np.fromiter(map(eq, waiting, repeat(batch_id)), bool, len(recs))
         self.pool.apply_moves(
             batch.req_ids, batch.indptr, batch.idx, batch.dst_slots, keep=keep
         )
@@ -288,6 +288,7 @@ class VTokenScheduler:
             self._scores.release(req.request_id)
             self._stale[req.request_id] = self._num_steps
         self.reclaimer.drop_moves(req.request_id, rec)
+        self.reclaimer.blocks.reset(req.request_id)
         self.pool.clear_nulls(req.request_id)
 
     def on_free(self, req: Request) -> None:
@@ -302,6 +303,7 @@ class VTokenScheduler:
         if self._scores is not None:
             self._scores.release(req.request_id)
         self.reclaimer.drop_moves(req.request_id, rec)
+        self.reclaimer.blocks.release(req.request_id)
 
     # ------------------------------------------------------------ internals
     def _running_rows(self, running: list[Request]) -> tuple:
@@ -353,6 +355,10 @@ class VTokenScheduler:
         if integrity.CHECK:
             self._check_tail_blocks(rows, take, blocks, slots)
         self.runtime.sync_rows(rids, take, slots, rows)
+        if need.size:
+            self.reclaimer.blocks.record(
+                [rids[i] for i in need.tolist()], first, end, ids
+            )
 
     def _check_tail_blocks(self, rows, take, blocks, slots) -> None:
         # The tail block's id is the last slotted token's: vLLM's lists agree.
@@ -408,6 +414,7 @@ class VTokenScheduler:
         nblocks = last - first + 1
         block_at = (nblocks.cumsum() - nblocks)[seg] + pos // B - first[seg]
         self.runtime.sync_rows(rids, counts, ids[block_at] * B + pos % B, rows)
+        self.reclaimer.blocks.record(rids, first, last + 1, ids)
 
     def _register(self, req: Request) -> None:
         rid = req.request_id
@@ -455,6 +462,7 @@ class VTokenScheduler:
         )
         self.reclaimer.check_busy(self._reqs)
         self.reclaimer.check_nulls(list(self._reqs))
+        self.reclaimer.blocks.check(list(self._reqs))
 
 
 _COMPUTED = attrgetter("num_computed_tokens")

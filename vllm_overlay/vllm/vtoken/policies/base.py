@@ -352,6 +352,13 @@ def select_lowest(
     return req.live_idx[first[:num_evict]].astype(np.int64)
 
 
+def keeps_dead_listed(policy: type[EvictionPolicy] | None) -> bool:
+    """Whether the Token Tables of a request evicting by `policy` (None:
+    not evicting) leave its victims listed a while (`scatters_victims`;
+    TokenTablePool.add_request). The one rule both sides' tables follow."""
+    return policy is None or not policy.scatters_victims
+
+
 def is_builtin(policy: EvictionPolicy) -> bool:
     """One of vToken's own policies (not a plug-in's)."""
     return type(policy).__module__.startswith("vllm.vtoken.policies.")

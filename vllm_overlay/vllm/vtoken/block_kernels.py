@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compiled loops over BlockIndex's mirror of vLLM's positional lists (numba).
+
+Scheduler side, for block_index.py: recording a step's new blocks and finding
+blocks in their lists, each one loop over the batch, where a Python pass over
+each request's list (or a dict per list) cost the planner and the freeing
+per request. Imported only with vToken on; compiled at import, as
+table_kernels.py is. The callers own the checks: rows distinct and their
+regions large enough.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_i64, _i32 = numba.int64[::1], numba.int32[::1]
+_jit = {"cache": True, "nogil": True}
+
+
+@numba.njit(numba.void(_i64, _i64, _i64, _i64, _i64, _i64, _i32), **_jit)
+def write_entries(rows, first, end, ids, start, n, mirror):
+    """Entries [first[i], end[i]) of row rows[i] hold the next of `ids`
+    (flat, row by row); each row's count `n` grows to cover them."""
+    k = 0
+    for i in range(rows.size):
+        r = rows[i]
+        m = mirror[start[r] :]
+        if k + end[i] - first[i] > ids.size:
+            raise ValueError("write_entries: fewer ids than entries")
+        for e in range(first[i], end[i]):
+            m[e] = ids[k]
+            k += 1
+        if end[i] > n[r]:
+            n[r] = end[i]
+    if k != ids.size:
+        raise ValueError("write_entries: more ids than entries")
+
+
+@numba.njit(_i64(_i64, _i64, _i64, _i64, _i64, _i32), **_jit)
+def locate(rows, hint, ids, start, n, mirror):
+    """The entry of block ids[j] in row rows[j]'s list: hint[j] where it is
+    there (where its tokens were written, or where the planner found it),
+    else the first entry holding it (a scan of the row), -1 if none does."""
+    out = np.empty(ids.size, np.int64)
+    for j in range(ids.size):
+        r, h, b = rows[j], hint[j], ids[j]
+        m = mirror[start[r] : start[r] + n[r]]
+        if 0 <= h < m.size and m[h] == b:
+            out[j] = h
+            continue
+        out[j] = -1
+        for e in range(m.size):
+            if m[e] == b:
+                out[j] = e
+                break
+    return out
