@@ -454,9 +454,9 @@ def test_a_tight_pool_takes_the_plan_in_place_when_it_frees_more():
 
 def test_blocks_emptied_mid_list_are_freed_in_place_also_after_a_resume():
     """Naive-evict finds an emptied block in the request's list through the
-    reclaimer's block -> position map, which follows vLLM's appends and the
-    new list of a resumed request (the deep checks compare it with the list
-    at every use)."""
+    reclaimer's mirror of the lists (BlockIndex), which follows vLLM's
+    appends and the new list of a resumed request (the deep checks compare
+    it with the list at every use)."""
     kv, vt, req = setup("naive")
     step(kv, vt, req, 12, running=[])
     b0 = kv.get_block_ids("A")[0][0]

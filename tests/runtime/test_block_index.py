@@ -52,7 +52,7 @@ def test_records_appends_and_a_new_list_and_reads_them_for_the_planner(checked):
     assert index.planned(["a"], arr(4), caching=True)[1].tolist() == [2]
     assert index.planned(["a"], arr(1), caching=True)[1].tolist() == [1]
     assert index.planned(["a"], arr(4), caching=False)[1].tolist() == [0]
-    with pytest.raises(AssertionError, match="not recorded"):
+    with pytest.raises(RuntimeError, match="not recorded"):
         index.planned(["a"], arr(5), caching=True)
     index.reset("a")  # preempted: vLLM frees the list, the resume makes one
     lists["a"] = [block(5), block(6)]
@@ -119,17 +119,74 @@ def test_a_found_block_is_freed_in_list_order():
 
 
 def test_a_list_changed_unseen_is_mirrored_again(monkeypatch):
+    """Each block found is checked against vLLM's object, and a block not
+    found against vLLM's object at its hint: a list changed behind the
+    mirror's back (none is known to) is mirrored again, never trusted."""
     monkeypatch.setattr(integrity, "CHECK", False)  # it would name the change
     lists = {"a": [block(7), block(3), block(9)]}
     index = indexed(lists)
-    lists["a"][0], lists["a"][2] = lists["a"][2], lists["a"][0]
+    lists["a"][0], lists["a"][2] = lists["a"][2], lists["a"][0]  # swapped
+    assert index.find("a", [7]) == [2]
     out, _ = index.null_at_many(["a"], arr(0), arr(0), arr(7), NULL)
     assert ids_of(out) == [7] and ids_of(lists["a"]) == [9, 3, 0]
     index.check(["a"])
+    lists["a"][1] = block(8)  # not in the mirror, vLLM's at the entry given
+    out, nulled = index.null_at_many(["a"], arr(0), arr(1), arr(8), NULL)
+    assert ids_of(out) == [8] and nulled.tolist() == [1]
+    assert ids_of(lists["a"]) == [9, 0, 0]
+    index.check(["a"])
     monkeypatch.setattr(integrity, "CHECK", True)
-    lists["a"][1] = block(8)
+    lists["a"][0] = block(5)
     with pytest.raises(AssertionError, match="changed unseen"):
-        index.null_at_many(["a"], arr(0), arr(1), arr(3), NULL)
+        index.null_at_many(["a"], arr(0), arr(0), arr(5), NULL)
+
+
+def test_an_evacuated_source_gone_unseen_is_refused(monkeypatch):
+    """A source the plan found whose list changed since: refused (nothing
+    done for its request), so the reclaimer raises, and no fresh block is
+    lost in no list."""
+    monkeypatch.setattr(integrity, "CHECK", False)
+    lists = {"a": [block(7), block(3), block(9)], "b": [block(11)]}
+    index = indexed(lists)
+    lists["a"][0] = block(8)  # block 7 gone behind the mirror's back
+    fresh = [block(40), block(41)]
+    missing = index.replace_at_many(["a", "b"], arr(0, 1), arr(0, 0), arr(7, 11), fresh)
+    assert missing == [0]
+    assert ids_of(lists["a"]) == [8, 3, 9] and ids_of(lists["b"]) == [41]
+    index.check(["a", "b"])
+
+
+def test_blocks_found_elsewhere_get_their_own_new_blocks_in_list_order(checked):
+    """Every hint wrong, the requests' groups in reverse order, some blocks
+    shared: each block still gets its own new block, and the freed ones come
+    back in list order per request."""
+    lists = {
+        "a": [block(7), block(3, ref_cnt=2), block(9)],
+        "b": [block(11), block(12), block(13, ref_cnt=2)],
+    }
+    index = indexed(lists)
+    fresh = [block(40), block(41), block(42), block(43)]
+    missing = index.replace_at_many(
+        ["a", "b"], arr(1, 1, 0, 0), arr(-1, 0, -1, 2), arr(12, 11, 9, 7), fresh
+    )
+    assert missing == []
+    assert ids_of(lists["a"]) == [43, 3, 42] and ids_of(lists["b"]) == [41, 40, 13]
+    index.check(["a", "b"])
+    out, nulled = index.null_at_many(
+        ["b", "a"], arr(1, 1, 1, 0, 0, 0), arr(-1, -1, -1, -1, -1, -1),
+        arr(42, 3, 43, 13, 40, 41), NULL,
+    )  # fmt: skip
+    assert ids_of(out) == [41, 40, 43, 42]  # b's, then a's, each in list order
+    assert nulled.tolist() == [2, 2]
+    assert ids_of(lists["a"]) == [0, 3, 0] and ids_of(lists["b"]) == [0, 0, 13]
+    index.check(["a", "b"])
+
+
+def test_a_gap_in_a_recorded_list_is_refused():
+    lists = {"a": [block(7), block(3), block(9)]}
+    index = BlockIndex(lists, null_id=0)
+    with pytest.raises(ValueError, match="a gap"):
+        index.record(["a"], arr(1), arr(3), arr(3, 9))
 
 
 def test_replace_at_many_swaps_fresh_blocks_in_and_refuses_one_alone(checked):

@@ -104,7 +104,8 @@ class BlockIndex:
         that is unknown, none without `caching`."""
         a = self._a
         rows = a.rows(rids)
-        assert (counts <= a.cols["n"][rows]).all(), "an entry not recorded"
+        if (counts > a.cols["n"][rows]).any():  # past n: ids of an old list
+            raise RuntimeError("vToken: the planner reads a block not recorded")
         if integrity.CHECK:
             self.check(rids)
         ids = a.data["ids"][ranges(a.start[rows], counts)].astype(np.int64)
@@ -117,8 +118,8 @@ class BlockIndex:
         """Ascending entries of `rid`'s list holding blocks among `ids` (a
         block it does not hold, such as a displaced source, has none)."""
         ids = np.fromiter(ids, np.int64)
-        rows = np.full(ids.size, self._a.index[rid], np.int64)
-        at = self._locate(rows, np.full(ids.size, -1, np.int64), ids)
+        seg, no_hint = np.zeros(ids.size, np.int64), np.full(ids.size, -1, np.int64)
+        at = self._settled([rid], seg, no_hint, ids)[2]
         return sorted(at[at >= 0].tolist())
 
     # ------------------------------------------------------------ changes
@@ -137,7 +138,9 @@ class BlockIndex:
         entries[j] where it is there (where its tokens were written, or
         where the planner found it), else wherever it is; a block the list
         does not hold is skipped, and with `unshared_only` a block another
-        request holds (ref_cnt > 1). Int64 arrays, `seg` grouped.
+        request holds (ref_cnt > 1). Int64 arrays, `seg` grouped and the
+        entries ascending within a group (list order; blocks found elsewhere
+        are sorted in).
 
         Returns:
             (out, nulled): the blocks null-replaced, in list order per
@@ -160,13 +163,13 @@ class BlockIndex:
         whose blocks their lists do not hold, nothing done for them."""
         if len(blocks) != len(ids):
             raise ValueError(f"{len(blocks)} blocks for {len(ids)} entries")
-        at = self._locate(self._rows_of(rids, seg)[1], entries, ids)
+        at = self._settled(rids, seg, entries, ids)[2]
         missing = sorted(set(seg[at < 0].tolist()))
         if missing:
             keep = ~np.isin(seg, missing)
-            seg, entries, ids = seg[keep], entries[keep], ids[keep]
-            blocks = [b for b, k in zip(blocks, keep.tolist(), strict=True) if k]
-        self._replace_at(rids, seg, entries, ids, iter(blocks), False)
+            seg, at, ids = seg[keep], at[keep], ids[keep]
+            blocks = list(compress(blocks, keep.tolist()))
+        self._replace_at(rids, seg, at, ids, iter(blocks), False)
         return missing
 
     def null_out(
@@ -183,6 +186,7 @@ class BlockIndex:
         a = self._a
         row = a.index[rid]
         assert entry < a.cols["n"][row], f"{rid}: entry {entry} not recorded"
+        assert a.data["ids"][a.start[row] + entry] == self._lists[rid][entry].block_id
         self._lists[rid][entry] = block
         a.data["ids"][a.start[row] + entry] = block.block_id
 
@@ -225,12 +229,37 @@ class BlockIndex:
         a.data["ids"][a.span(row, len(blocks))] = list(map(_ID, blocks))
         a.cols["n"][row] = len(blocks)
 
+    def _settled(self, rids, seg, hint, ids) -> tuple[list, np.ndarray, np.ndarray]:
+        """(rid, rows, at): each block's request and row (`_rows_of`) and its
+        entry (`_locate`, -1: not in the list), the mirror checked against
+        vLLM's objects first: where a block found is not vLLM's there, or a
+        block not found is vLLM's at its hint, the list changed behind the
+        mirror's back (none is known to), so it is mirrored again."""
+        rid, rows = self._rows_of(rids, seg)
+        at = self._locate(rows, hint, ids)
+        found = at >= 0
+        keep = found.tolist()
+        rid_f = list(compress(rid, keep))
+        lists = map(self._lists.__getitem__, rid_f)
+        held = map(_ID, map(getitem, lists, at[found].tolist()))
+        wrong = np.fromiter(held, np.int64, len(rid_f)) != ids[found]
+        stale = set(compress(rid_f, wrong.tolist()))
+        for j in np.flatnonzero(~found).tolist():  # rare: a displaced source
+            blocks, h = self._lists[rid[j]], int(hint[j])
+            if 0 <= h < len(blocks) and blocks[h].block_id == ids[j]:
+                stale.add(rid[j])
+        if stale:
+            assert not integrity.CHECK, f"lists changed unseen: {sorted(stale)}"
+            for r in stale:
+                self._resync(r)
+            at = self._locate(rows, hint, ids)
+        return rid, rows, at
+
     def _replace_at(self, rids, seg, hint, ids, new: Iterator, unshared_only):
         """null_at_many's and replace_at_many's pass: `new` yields the block
         each of `ids` gets, in order. The loops over blocks are in C (map);
         vLLM's objects are read and written, a block at a time, by them."""
-        rid, rows = self._rows_of(rids, seg)
-        at = self._locate(rows, hint, ids)
+        rid, rows, at = self._settled(rids, seg, hint, ids)
         new = list(islice(new, ids.size))
         found = at >= 0  # else not in the list (a displaced source)
         if not found.all():
@@ -240,20 +269,12 @@ class BlockIndex:
             hint = hint[found]
         if (at != hint).any():  # not all where given: into list order
             order = np.lexsort((at, seg))
-            seg, at, ids, rows = seg[order], at[order], ids[order], rows[order]
+            seg, at, rows = seg[order], at[order], rows[order]
             rid = list(map(rid.__getitem__, order.tolist()))
             new = list(map(new.__getitem__, order.tolist()))
         lists = list(map(self._lists.__getitem__, rid))
         at_l = at.tolist()
         blocks = list(map(getitem, lists, at_l))
-        # Checked against vLLM's objects: a list changed behind the mirror's
-        # back is mirrored again, and its blocks searched again.
-        stale = np.fromiter(map(_ID, blocks), np.int64, len(blocks)) != ids
-        if stale.any():
-            assert not integrity.CHECK, f"lists changed unseen: {set(rid)}"
-            for r in set(compress(rid, stale.tolist())):
-                self._resync(r)
-            return self._replace_at(rids, seg, at, ids, iter(new), unshared_only)
         if unshared_only:  # a block another request holds stays
             done = np.fromiter(map(_REF_CNT, blocks), np.int64, len(blocks)) == 1
             if not done.all():

@@ -28,6 +28,8 @@ def write_entries(rows, first, end, ids, start, n, mirror):
         m = mirror[start[r] :]
         if k + end[i] - first[i] > ids.size:
             raise ValueError("write_entries: fewer ids than entries")
+        if first[i] > n[r]:  # entries [n, first) would hold no id
+            raise ValueError("write_entries: a gap in a list")
         for e in range(first[i], end[i]):
             m[e] = ids[k]
             k += 1
