@@ -135,10 +135,16 @@ def test_a_list_changed_unseen_is_mirrored_again(monkeypatch):
     assert ids_of(out) == [8] and nulled.tolist() == [1]
     assert ids_of(lists["a"]) == [9, 0, 0]
     index.check(["a"])
-    monkeypatch.setattr(integrity, "CHECK", True)
-    lists["a"][0] = block(5)
+    lists["a"][0] = block(5)  # vLLM's at the entry given: taken from there
+    out, _ = index.null_at_many(["a"], arr(0), arr(0), arr(5), NULL)
+    assert ids_of(out) == [5] and ids_of(lists["a"]) == [0, 0, 0]
+    index.check(["a"])
+    lists["b"] = [block(1), block(2)]
+    index.record(["b"], arr(0), arr(2), arr(1, 2))
+    lists["b"].reverse()
+    monkeypatch.setattr(integrity, "CHECK", True)  # a change seen is named
     with pytest.raises(AssertionError, match="changed unseen"):
-        index.null_at_many(["a"], arr(0), arr(0), arr(5), NULL)
+        index.find("b", [1])
 
 
 def test_an_evacuated_source_gone_unseen_is_refused(monkeypatch):

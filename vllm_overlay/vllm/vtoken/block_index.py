@@ -27,8 +27,8 @@ trusted. `check` compares every mirror with its list (integrity mode).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import compress, islice, repeat
+from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
 from operator import attrgetter, getitem, setitem
 from typing import TYPE_CHECKING
 
@@ -146,7 +146,7 @@ class BlockIndex:
             (out, nulled): the blocks null-replaced, in list order per
             request; how many each of `rids` null-replaced (int64).
         """
-        return self._replace_at(rids, seg, entries, ids, repeat(null), unshared_only)
+        return self._replace_at(rids, seg, entries, ids, null, unshared_only)
 
     def replace_at_many(
         self,
@@ -169,7 +169,7 @@ class BlockIndex:
             keep = ~np.isin(seg, missing)
             seg, at, ids = seg[keep], at[keep], ids[keep]
             blocks = list(compress(blocks, keep.tolist()))
-        self._replace_at(rids, seg, at, ids, iter(blocks), False)
+        self._replace_at(rids, seg, at, ids, blocks, False)
         return missing
 
     def null_out(
@@ -208,12 +208,10 @@ class BlockIndex:
         row = self._a.add(rid)  # may grow the columns: read them after
         self._a.cols["cached_upto"][row] = -1
 
-    def _rows_of(self, rids, seg) -> tuple[list[str], np.ndarray]:
-        """(rid, rows): the request and the row of each of `seg` (C loops:
-        rids may be a whole batch, of which seg names a few)."""
-        rid = list(map(rids.__getitem__, seg.tolist()))
+    def _rows(self, rid: list[str]) -> np.ndarray:
+        """The rows of `rid` (a C loop)."""
         get = self._a.index.__getitem__
-        return rid, np.fromiter(map(get, rid), np.int64, len(rid))
+        return np.fromiter(map(get, rid), np.int64, len(rid))
 
     def _locate(self, rows, hint, ids) -> np.ndarray:
         """block_kernels.locate: the entries of blocks ids[j] in rows[j]."""
@@ -229,60 +227,74 @@ class BlockIndex:
         a.data["ids"][a.span(row, len(blocks))] = list(map(_ID, blocks))
         a.cols["n"][row] = len(blocks)
 
-    def _settled(self, rids, seg, hint, ids) -> tuple[list, np.ndarray, np.ndarray]:
-        """(rid, rows, at): each block's request and row (`_rows_of`) and its
-        entry (`_locate`, -1: not in the list), the mirror checked against
+    def _settled(self, rids, seg, hint, ids) -> tuple:
+        """(rid, rows, at, lists, blocks): each block's request and row, its
+        entry (-1: not in the list), its list and vLLM's block there (None
+        where not found). The usual case is read from vLLM's objects at the
+        hints alone: every block there (the mirror, cold in a step, is then
+        only written). Otherwise from the mirror (`_locate`), checked against
         vLLM's objects first: where a block found is not vLLM's there, or a
         block not found is vLLM's at its hint, the list changed behind the
-        mirror's back (none is known to), so it is mirrored again."""
-        rid, rows = self._rows_of(rids, seg)
-        at = self._locate(rows, hint, ids)
-        found = at >= 0
-        keep = found.tolist()
-        rid_f = list(compress(rid, keep))
-        lists = map(self._lists.__getitem__, rid_f)
-        held = map(_ID, map(getitem, lists, at[found].tolist()))
-        wrong = np.fromiter(held, np.int64, len(rid_f)) != ids[found]
-        stale = set(compress(rid_f, wrong.tolist()))
-        for j in np.flatnonzero(~found).tolist():  # rare: a displaced source
-            blocks, h = self._lists[rid[j]], int(hint[j])
-            if 0 <= h < len(blocks) and blocks[h].block_id == ids[j]:
-                stale.add(rid[j])
-        if stale:
+        mirror's back (none is known to), and is mirrored again."""
+        rid = list(map(rids.__getitem__, seg.tolist()))
+        lists = list(map(self._lists.__getitem__, rid))
+        if hint.size and hint.min() >= 0:
+            try:
+                blocks = list(map(getitem, lists, hint.tolist()))
+                held = np.fromiter(map(_ID, blocks), np.int64, len(blocks))
+            except IndexError:  # a hint past its list
+                held = None
+            if held is not None and (held == ids).all():
+                return rid, self._rows(rid), hint, lists, blocks
+        rows = self._rows(rid)
+        for _ in range(2):
+            at = self._locate(rows, hint, ids)
+            at_l, hint_l = at.tolist(), hint.tolist()
+            blocks = [x[e] if e >= 0 else None for x, e in zip(lists, at_l)]  # noqa: B905
+            stale = set()
+            for j, (x, b) in enumerate(zip(lists, ids.tolist(), strict=True)):
+                e, h = at_l[j], hint_l[j]
+                if e >= 0 and blocks[j].block_id != b:  # not vLLM's there
+                    stale.add(rid[j])
+                elif e < 0 and 0 <= h < len(x) and x[h].block_id == b:
+                    stale.add(rid[j])  # vLLM's at its hint, not mirrored
+            if not stale:
+                break
             assert not integrity.CHECK, f"lists changed unseen: {sorted(stale)}"
             for r in stale:
                 self._resync(r)
-            at = self._locate(rows, hint, ids)
-        return rid, rows, at
+        return rid, rows, at, lists, blocks
 
-    def _replace_at(self, rids, seg, hint, ids, new: Iterator, unshared_only):
-        """null_at_many's and replace_at_many's pass: `new` yields the block
-        each of `ids` gets, in order. The loops over blocks are in C (map);
-        vLLM's objects are read and written, a block at a time, by them."""
-        rid, rows, at = self._settled(rids, seg, hint, ids)
-        new = list(islice(new, ids.size))
-        found = at >= 0  # else not in the list (a displaced source)
-        if not found.all():
+    def _replace_at(self, rids, seg, hint, ids, new, unshared_only):
+        """null_at_many's and replace_at_many's pass: `new`, the blocks they
+        get, in order (a list), or one block for all (null). The loops over
+        blocks are in C (map): vLLM's objects are read and written a block at
+        a time."""
+        rid, rows, at, lists, blocks = self._settled(rids, seg, hint, ids)
+        one = not isinstance(new, list)
+        if not (at == hint).all():  # some elsewhere or in no list (rare)
+            found = at >= 0  # else not in the list (a displaced source)
             keep = found.tolist()
-            seg, at, ids, rows = seg[found], at[found], ids[found], rows[found]
-            rid, new = list(compress(rid, keep)), list(compress(new, keep))
-            hint = hint[found]
-        if (at != hint).any():  # not all where given: into list order
-            order = np.lexsort((at, seg))
+            seg, at, rows = seg[found], at[found], rows[found]
+            lists, blocks = list(compress(lists, keep)), list(compress(blocks, keep))
+            new = new if one else list(compress(new, keep))
+            order = np.lexsort((at, seg)).tolist()  # into list order
             seg, at, rows = seg[order], at[order], rows[order]
-            rid = list(map(rid.__getitem__, order.tolist()))
-            new = list(map(new.__getitem__, order.tolist()))
-        lists = list(map(self._lists.__getitem__, rid))
-        at_l = at.tolist()
-        blocks = list(map(getitem, lists, at_l))
+            lists, blocks = [lists[j] for j in order], [blocks[j] for j in order]
+            new = new if one else [new[j] for j in order]
         if unshared_only:  # a block another request holds stays
             done = np.fromiter(map(_REF_CNT, blocks), np.int64, len(blocks)) == 1
             if not done.all():
                 keep = done.tolist()
                 seg, at, rows = seg[done], at[done], rows[done]
-                lists, at_l = list(compress(lists, keep)), list(compress(at_l, keep))
-                blocks, new = list(compress(blocks, keep)), list(compress(new, keep))
-        any(map(setitem, lists, at_l, new))  # vLLM's lists: setitem gives None
-        a = self._a  # the mirror follows
-        a.data["ids"][a.start[rows] + at] = np.fromiter(map(_ID, new), np.int64)
+                lists, blocks = (
+                    list(compress(lists, keep)),
+                    list(compress(blocks, keep)),
+                )
+                new = new if one else list(compress(new, keep))
+        # vLLM's lists (setitem gives None: `any` runs the map to its end),
+        # then the mirror.
+        any(map(setitem, lists, at.tolist(), repeat(new) if one else new))
+        put = new.block_id if one else np.fromiter(map(_ID, new), np.int64, len(new))
+        self._a.data["ids"][self._a.start[rows] + at] = put
         return blocks, np.bincount(seg, minlength=len(rids))
