@@ -9,6 +9,7 @@ import pytest
 
 from vllm.vtoken import integrity
 from vllm.vtoken.block_index import BlockIndex
+from vllm.vtoken.token_table import TokenTablePool
 
 NULL = SimpleNamespace(block_id=0, is_null=True, ref_cnt=0)
 
@@ -25,9 +26,47 @@ def ids_of(blocks) -> list[int]:
     return [b.block_id for b in blocks]
 
 
-def indexed(lists: dict[str, list]) -> BlockIndex:
-    """An index that has recorded every list whole (one step's slotting)."""
-    index = BlockIndex(lists, null_id=0)
+class Mirror:
+    """A `BlockIndex` on a scheduler's Token Table pool, addressed by request
+    id as its callers address it (they look the rows up; each row gets a
+    region of 64 entries, as slotting its tokens would give it)."""
+
+    def __init__(self, lists: dict[str, list]) -> None:
+        self.pool = TokenTablePool(num_blocks=256, block_size=4, positional_lists=True)
+        self.index = BlockIndex(lists, null_id=0, pool=self.pool)
+
+    def rows(self, rids) -> np.ndarray:
+        for rid in rids:
+            if rid not in self.pool:
+                self.pool.add_request(rid)
+                self.pool.arena.reserve(self.pool.rows([rid]), np.array([64]))
+        return self.pool.rows(rids)
+
+    def record(self, rids, first, end, ids) -> None:
+        rows = self.rows(rids)
+        self.pool.arena.reserve(rows, end)  # as slotting their tokens would
+        self.index.record(rows, first, end, ids)
+
+    def planned(self, rids, counts, caching):
+        return self.index.planned(self.pool.rows(rids), counts, caching)
+
+    def null_at_many(self, rids, *args, **kw):
+        rows = self.pool.rows_or_missing(rids)
+        return self.index.null_at_many(rids, rows, *args, **kw)
+
+    def replace_at_many(self, rids, *args):
+        return self.index.replace_at_many(rids, self.pool.rows_or_missing(rids), *args)
+
+    def release(self, rid) -> None:
+        self.pool.release(rid)
+
+    def __getattr__(self, name):  # find, null_out, replace, reset, check, ...
+        return getattr(self.index, name)
+
+
+def indexed(lists: dict[str, list]) -> Mirror:
+    """A mirror that has recorded every list whole (one step's slotting)."""
+    index = Mirror(lists)
     rids = list(lists)
     n = arr(*map(len, lists.values()))
     flat = np.array([b.block_id for r in rids for b in lists[r]], np.int64)
@@ -66,7 +105,7 @@ def test_records_appends_and_a_new_list_and_reads_them_for_the_planner(checked):
 
 def test_a_recorded_id_that_is_not_the_lists_is_named(checked):
     lists = {"a": [block(7), block(3)]}
-    index = BlockIndex(lists, null_id=0)
+    index = Mirror(lists)
     with pytest.raises(AssertionError, match="mirror"):
         index.record(["a"], arr(0), arr(2), arr(7, 8))
 
@@ -190,7 +229,7 @@ def test_blocks_found_elsewhere_get_their_own_new_blocks_in_list_order(checked):
 
 def test_a_gap_in_a_recorded_list_is_refused():
     lists = {"a": [block(7), block(3), block(9)]}
-    index = BlockIndex(lists, null_id=0)
+    index = Mirror(lists)
     with pytest.raises(ValueError, match="a gap"):
         index.record(["a"], arr(1), arr(3), arr(3, 9))
 
@@ -238,7 +277,7 @@ def test_finished_requests_rows_are_reused():
         del lists[f"r{i}"]  # vLLM freed them
     lists["new"] = [block(99), block(98)]
     index.record(["new"], arr(0), arr(2), arr(99, 98))
-    assert len(index._a.index) == 11
+    assert len(index.pool.request_ids()) == 11
     assert index.find("r35", [36]) == [0] and index.find("new", [98]) == [1]
     index.check(list(lists))
 
@@ -248,7 +287,7 @@ def test_many_rows_growing_keep_their_entries(checked):
     at a time, the decode's pattern; every mirror stays its list's."""
     rng = np.random.default_rng(0)
     lists = {f"r{i}": [] for i in range(50)}
-    index = BlockIndex(lists, null_id=0)
+    index = Mirror(lists)
     next_id = 1
     for _ in range(40):
         rids = [r for r in lists if rng.random() < 0.5]

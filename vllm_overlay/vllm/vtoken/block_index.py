@@ -4,13 +4,15 @@
 Scheduler side, for reclaimer.py. vLLM keeps a request's blocks as a Python
 list of block objects (`req_to_blocks[rid]`, token i in entry i // B):
 reading every entry's id, or finding a block, is a pass over the list in
-Python, per request. `BlockIndex` keeps each list's ids by entry in one
-arena (arena.py), a row per request, so the planner reads the ids of every
-planned request at once and the freeing finds its blocks in one compiled
-pass (block_kernels.py)::
+Python, per request. `BlockIndex` keeps each list's ids by entry in the
+request's Token Table row (the scheduler's `TokenTablePool` arena, array
+`block`: a list has fewer entries than its request has tokens), so the
+planner reads the ids of every planned request at once and the freeing finds
+its blocks in one compiled pass (block_kernels.py), by the rows the step
+already has::
 
     req_to_blocks[rid]  [b7, b3, null, b4]      (vLLM's objects)
-    mirror row          [ 7,  3,    0,  4]      n = 4; null is block 0
+    row's `block`       [ 7,  3,    0,  4, -1 ...]  n_entries = 4; null is 0
 
 The mirror is written where vLLM's new blocks are read anyway: the
 scheduler's `_sync_slots` reads the ids of the blocks past each request's
@@ -35,83 +37,82 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import RowArena, ranges
+from vllm.vtoken.arena import ranges
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.vtoken.token_table import TokenTablePool
 
 _ID = attrgetter("block_id")
 _REF_CNT = attrgetter("ref_cnt")
 
 
 class BlockIndex:
-    """Rows keyed by request id: `ids` entries [0, n) mirror the first n of
-    its list; `cached_upto`: vLLM caches no entry at or past it (and so
-    shares none: sharing goes through the cache), -1 while unknown."""
+    """The mirror, in the scheduler's Token Table rows: `block` entries
+    [0, n_entries) mirror the list's first n_entries; `cache_end` - 1:
+    vLLM caches no entry at or past it (and so shares none: sharing goes
+    through the cache); 0 while unknown (a new row's columns are 0)."""
 
-    def __init__(self, req_to_blocks: dict[str, list], null_id: int) -> None:
+    def __init__(
+        self, req_to_blocks: dict[str, list], null_id: int, pool: TokenTablePool
+    ) -> None:
         from vllm.vtoken import block_kernels  # numba: vToken on only
 
         self._k = block_kernels
         self._lists = req_to_blocks  # vLLM's: changed only through here
         self._null_id = null_id
-        self._a = RowArena({"ids": (np.int32, -1)}, ("n", "cached_upto"))
+        self._pool = pool
+        self._a = pool.arena
+        assert "block" in self._a.data, "a pool without positional_lists"
 
     # ------------------------------------------------------------ lifecycle
-    def record(
-        self, rids: Sequence[str], first: np.ndarray, end: np.ndarray, ids
-    ) -> None:
-        """vLLM's lists of rids[i] (distinct) hold blocks `ids` (int64, flat,
-        request by request) at entries [first[i], end[i]): the blocks a
-        step's tokens were slotted into."""
+    def record(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray, ids):
+        """The lists of Token Table rows `rows` (distinct) hold blocks `ids`
+        (int64, flat, row by row) at entries [first[i], end[i]): the blocks
+        a step's tokens were slotted into (their regions hold them: a row
+        has at least as many entries as slotted tokens)."""
         a = self._a
-        rows = a.rows_adding(rids, lambda i: self._add(rids[i]))
-        a.reserve(rows, end)
+        assert not integrity.CHECK or (end <= a.cap[rows]).all(), (
+            "a list past its row's region"
+        )
         self._k.write_entries(
-            rows, first, end, ids, a.start, a.cols["n"], a.data["ids"]
+            rows, first, end, ids, a.start, a.cols["n_entries"], a.data["block"]
         )
         if integrity.CHECK:
-            self.check(rids)
+            self._check_rows(rows)
 
     def reset(self, rid: str) -> None:
         """Preempted: vLLM frees the list; the resume's is recorded anew."""
-        row = self._a.index.get(rid)
-        if row is not None:
-            self._a.cols["n"][row] = 0
-            self._a.cols["cached_upto"][row] = -1
-
-    def release(self, rid: str) -> None:
-        """Finished or aborted: the request's row goes."""
-        if rid in self._a.index:
-            self._a.remove(rid)
+        row = self._pool.rows([rid])[0]
+        self._a.cols["n_entries"][row] = 0
+        self._a.cols["cache_end"][row] = 0
 
     def stop_caching(self, rid: str, num_cached: int) -> None:
         """vLLM will cache no more of `rid`'s current list: `num_cached`
         entries (its `num_cached_block`) are all it may have cached. The
         first count stays until the list is new."""
-        row = self._a.rows_adding([rid], lambda _: self._add(rid))[0]
-        upto = self._a.cols["cached_upto"]
-        if upto[row] < 0:
-            upto[row] = num_cached
+        end = self._a.cols["cache_end"]
+        row = self._pool.rows([rid])[0]
+        if end[row] == 0:
+            end[row] = num_cached + 1
 
     # ------------------------------------------------------------ reads
     def planned(
-        self, rids: Sequence[str], counts: np.ndarray, caching: bool
+        self, rows: np.ndarray, counts: np.ndarray, caching: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """(ids, heads) for the planner: the ids of entries [0, counts[i])
-        of each list, flat (int64), and how many of them vLLM may have
-        cached (and so shared): entries below its `cached_upto`, all while
-        that is unknown, none without `caching`."""
+        of the lists of Token Table rows `rows`, flat (int64), and how many
+        of them vLLM may have cached (and so shared): entries below its
+        `cached_upto`, all while that is unknown, none without `caching`."""
         a = self._a
-        rows = a.rows(rids)
-        if (counts > a.cols["n"][rows]).any():  # past n: ids of an old list
+        if (counts > a.cols["n_entries"][rows]).any():  # ids of an old list
             raise RuntimeError("vToken: the planner reads a block not recorded")
         if integrity.CHECK:
-            self.check(rids)
-        ids = a.data["ids"][ranges(a.start[rows], counts)].astype(np.int64)
+            self._check_rows(rows)
+        ids = a.data["block"][ranges(a.start[rows], counts)].astype(np.int64)
         if not caching:
-            return ids, np.zeros(len(rids), np.int64)
-        upto = a.cols["cached_upto"][rows]
+            return ids, np.zeros(rows.size, np.int64)
+        upto = a.cols["cache_end"][rows] - 1
         return ids, np.where(upto < 0, counts, np.minimum(upto, counts))
 
     def find(self, rid: str, ids: Iterable[int]) -> list[int]:
@@ -119,13 +120,14 @@ class BlockIndex:
         block it does not hold, such as a displaced source, has none)."""
         ids = np.fromiter(ids, np.int64)
         seg, no_hint = np.zeros(ids.size, np.int64), np.full(ids.size, -1, np.int64)
-        at = self._settled([rid], seg, no_hint, ids)[2]
+        at = self._settled([rid], self._pool.rows([rid]), seg, no_hint, ids)[1]
         return sorted(at[at >= 0].tolist())
 
     # ------------------------------------------------------------ changes
     def null_at_many(
         self,
         rids: Sequence[str],
+        rows: np.ndarray,
         seg: np.ndarray,
         entries: np.ndarray,
         ids: np.ndarray,
@@ -134,42 +136,44 @@ class BlockIndex:
     ) -> tuple[list[KVCacheBlock], np.ndarray]:
         """The entries of the lists holding blocks `ids` become `null`, for
         many requests in one pass (the freeing of a step's emptied blocks,
-        or of a batch's sources): block ids[j] of rids[seg[j]]'s list, at
-        entries[j] where it is there (where its tokens were written, or
-        where the planner found it), else wherever it is; a block the list
-        does not hold is skipped, and with `unshared_only` a block another
-        request holds (ref_cnt > 1). Int64 arrays, `seg` grouped and the
-        entries ascending within a group (list order; blocks found elsewhere
-        are sorted in).
+        or of a batch's sources): block ids[j] of rids[seg[j]]'s list (its
+        Token Table row rows[seg[j]]), at entries[j] where it is there
+        (where its tokens were written, or where the planner found it),
+        else wherever it is; a block the list does not hold is skipped, and
+        with `unshared_only` a block another request holds (ref_cnt > 1).
+        Int64 arrays, `seg` grouped and the entries ascending within a group
+        (list order; blocks found elsewhere are sorted in).
 
         Returns:
             (out, nulled): the blocks null-replaced, in list order per
             request; how many each of `rids` null-replaced (int64).
         """
-        return self._replace_at(rids, seg, entries, ids, null, unshared_only)
+        return self._replace_at(rids, rows, seg, entries, ids, null, unshared_only)
 
     def replace_at_many(
         self,
         rids: Sequence[str],
+        rows: np.ndarray,
         seg: np.ndarray,
         entries: np.ndarray,
         ids: np.ndarray,
         blocks: list[KVCacheBlock],
     ) -> list[int]:
-        """The entry of rids[seg[j]]'s list holding block ids[j] (entries[j],
-        where the planner found it) becomes blocks[j], for many requests in
-        one pass: the fresh blocks of a plan taking the places of its
-        evacuated sources. Returns the requests (positions in `rids`) one of
-        whose blocks their lists do not hold, nothing done for them."""
+        """The entry of rids[seg[j]]'s list (row rows[seg[j]]) holding block
+        ids[j] (entries[j], where the planner found it) becomes blocks[j],
+        for many requests in one pass: the fresh blocks of a plan taking the
+        places of its evacuated sources. Returns the requests (positions in
+        `rids`) one of whose blocks their lists do not hold, nothing done
+        for them."""
         if len(blocks) != len(ids):
             raise ValueError(f"{len(blocks)} blocks for {len(ids)} entries")
-        at = self._settled(rids, seg, entries, ids)[2]
+        at = self._settled(rids, rows, seg, entries, ids)[1]
         missing = sorted(set(seg[at < 0].tolist()))
         if missing:
             keep = ~np.isin(seg, missing)
             seg, at, ids = seg[keep], at[keep], ids[keep]
             blocks = list(compress(blocks, keep.tolist()))
-        self._replace_at(rids, seg, at, ids, blocks, False)
+        self._replace_at(rids, rows, seg, at, ids, blocks, False)
         return missing
 
     def null_out(
@@ -178,57 +182,57 @@ class BlockIndex:
         """`null_at_many` of one request's blocks `ids`, wherever they are."""
         ids = np.asarray(ids, np.int64)
         seg, no_hint = np.zeros(ids.size, np.int64), np.full(ids.size, -1, np.int64)
-        return self.null_at_many([rid], seg, no_hint, ids, null, unshared_only)[0]
+        rows = self._pool.rows([rid])
+        return self.null_at_many([rid], rows, seg, no_hint, ids, null, unshared_only)[0]
 
     def replace(self, rid: str, entry: int, block: KVCacheBlock) -> None:
         """Entry `entry` of `rid`'s list becomes `block` (the evacuated
         source an undone evacuation puts back)."""
         a = self._a
-        row = a.index[rid]
-        assert entry < a.cols["n"][row], f"{rid}: entry {entry} not recorded"
-        assert a.data["ids"][a.start[row] + entry] == self._lists[rid][entry].block_id
+        row = self._pool.rows([rid])[0]
+        assert entry < a.cols["n_entries"][row], f"{rid}: entry {entry} not recorded"
+        at = a.start[row] + entry
+        assert a.data["block"][at] == self._lists[rid][entry].block_id
         self._lists[rid][entry] = block
-        a.data["ids"][a.start[row] + entry] = block.block_id
+        a.data["block"][at] = block.block_id
 
     # ------------------------------------------------------------ invariants
     def check(self, rids: Sequence[str]) -> None:
-        """Each mirror holds its list's ids (the first n entries)."""
+        """Each mirror holds its list's ids (the first n_entries)."""
         a = self._a
-        for rid in rids:
-            row = a.index.get(rid)
-            if row is None or a.cols["n"][row] == 0:
+        rows = self._pool.rows_or_missing(rids)
+        for rid, row in zip(rids, rows.tolist(), strict=True):
+            if row < 0 or a.cols["n_entries"][row] == 0:
                 continue
             blocks = self._lists.get(rid, [])
-            got = a.data["ids"][a.span(row, a.cols["n"][row])].tolist()
+            got = a.data["block"][a.span(row, a.cols["n_entries"][row])].tolist()
             want = [b.block_id for b in blocks[: len(got)]]
             assert got == want, f"{rid}: block ids {got} mirror {want}"
 
+    def _check_rows(self, rows: np.ndarray) -> None:
+        """`check` of the requests of Token Table rows `rows`."""
+        rid_of = {row: rid for rid, row in self._a.index.items()}
+        self.check([rid_of[row] for row in rows.tolist()])
+
     # ------------------------------------------------------------ internals
-    def _add(self, rid: str) -> None:
-        row = self._a.add(rid)  # may grow the columns: read them after
-        self._a.cols["cached_upto"][row] = -1
-
-    def _rows(self, rid: list[str]) -> np.ndarray:
-        """The rows of `rid` (a C loop)."""
-        get = self._a.index.__getitem__
-        return np.fromiter(map(get, rid), np.int64, len(rid))
-
     def _locate(self, rows, hint, ids) -> np.ndarray:
         """block_kernels.locate: the entries of blocks ids[j] in rows[j]."""
         a = self._a
-        return self._k.locate(rows, hint, ids, a.start, a.cols["n"], a.data["ids"])
+        return self._k.locate(
+            rows, hint, ids, a.start, a.cols["n_entries"], a.data["block"]
+        )
 
-    def _resync(self, rid: str) -> None:
-        """Mirror `rid`'s list again from vLLM's objects."""
+    def _resync(self, rid: str, row: int) -> None:
+        """Mirror `rid`'s list again from vLLM's objects (the entries
+        mirrored: their region holds them)."""
         a = self._a
-        row = a.index[rid]
         blocks = self._lists[rid]
-        a.reserve(np.array([row]), np.array([len(blocks)]))
-        a.data["ids"][a.span(row, len(blocks))] = list(map(_ID, blocks))
-        a.cols["n"][row] = len(blocks)
+        n = min(int(a.cols["n_entries"][row]), len(blocks))
+        a.data["block"][a.span(row, n)] = list(map(_ID, blocks[:n]))
+        a.cols["n_entries"][row] = n
 
-    def _settled(self, rids, seg, hint, ids) -> tuple:
-        """(rid, rows, at, lists, blocks): each block's request and row, its
+    def _settled(self, rids, rows, seg, hint, ids) -> tuple:
+        """(rows, at, lists, blocks): each block's Token Table row, its
         entry (-1: not in the list), its list and vLLM's block there (None
         where not found). The usual case is read from vLLM's objects at the
         hints alone: every block there (the mirror, cold in a step, is then
@@ -236,8 +240,9 @@ class BlockIndex:
         vLLM's objects first: where a block found is not vLLM's there, or a
         block not found is vLLM's at its hint, the list changed behind the
         mirror's back (none is known to), and is mirrored again."""
-        rid = list(map(rids.__getitem__, seg.tolist()))
-        lists = list(map(self._lists.__getitem__, rid))
+        seg_l = seg.tolist()
+        lists = list(map(self._lists.__getitem__, map(rids.__getitem__, seg_l)))
+        rows = rows[seg]
         if hint.size and hint.min() >= 0:
             try:
                 blocks = list(map(getitem, lists, hint.tolist()))
@@ -245,32 +250,31 @@ class BlockIndex:
             except IndexError:  # a hint past its list
                 held = None
             if held is not None and (held == ids).all():
-                return rid, self._rows(rid), hint, lists, blocks
-        rows = self._rows(rid)
+                return rows, hint, lists, blocks
         for _ in range(2):
             at = self._locate(rows, hint, ids)
             at_l, hint_l = at.tolist(), hint.tolist()
             blocks = [x[e] if e >= 0 else None for x, e in zip(lists, at_l)]  # noqa: B905
-            stale = set()
+            stale = {}
             for j, (x, b) in enumerate(zip(lists, ids.tolist(), strict=True)):
                 e, h = at_l[j], hint_l[j]
-                if e >= 0 and blocks[j].block_id != b:  # not vLLM's there
-                    stale.add(rid[j])
-                elif e < 0 and 0 <= h < len(x) and x[h].block_id == b:
-                    stale.add(rid[j])  # vLLM's at its hint, not mirrored
+                if (e >= 0 and blocks[j].block_id != b) or (  # not vLLM's there
+                    e < 0 and 0 <= h < len(x) and x[h].block_id == b
+                ):  # or vLLM's at its hint, not mirrored
+                    stale[rids[seg_l[j]]] = int(rows[j])
             if not stale:
                 break
             assert not integrity.CHECK, f"lists changed unseen: {sorted(stale)}"
-            for r in stale:
-                self._resync(r)
-        return rid, rows, at, lists, blocks
+            for rid, row in stale.items():
+                self._resync(rid, row)
+        return rows, at, lists, blocks
 
-    def _replace_at(self, rids, seg, hint, ids, new, unshared_only):
+    def _replace_at(self, rids, rows, seg, hint, ids, new, unshared_only):
         """null_at_many's and replace_at_many's pass: `new`, the blocks they
         get, in order (a list), or one block for all (null). The loops over
         blocks are in C (map): vLLM's objects are read and written a block at
         a time."""
-        rid, rows, at, lists, blocks = self._settled(rids, seg, hint, ids)
+        rows, at, lists, blocks = self._settled(rids, rows, seg, hint, ids)
         one = not isinstance(new, list)
         if not (at == hint).all():  # some elsewhere or in no list (rare)
             found = at >= 0  # else not in the list (a displaced source)
@@ -287,14 +291,12 @@ class BlockIndex:
             if not done.all():
                 keep = done.tolist()
                 seg, at, rows = seg[done], at[done], rows[done]
-                lists, blocks = (
-                    list(compress(lists, keep)),
-                    list(compress(blocks, keep)),
-                )
+                lists = list(compress(lists, keep))
+                blocks = list(compress(blocks, keep))
                 new = new if one else list(compress(new, keep))
         # vLLM's lists (setitem gives None: `any` runs the map to its end),
         # then the mirror.
         any(map(setitem, lists, at.tolist(), repeat(new) if one else new))
         put = new.block_id if one else np.fromiter(map(_ID, new), np.int64, len(new))
-        self._a.data["ids"][self._a.start[rows] + at] = put
+        self._a.data["block"][self._a.start[rows] + at] = put
         return blocks, np.bincount(seg, minlength=len(rids))

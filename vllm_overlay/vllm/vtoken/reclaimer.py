@@ -118,7 +118,7 @@ class BlockReclaimer:
         self._busy = np.full(pool.num_blocks, -1, np.int64)
         self._next_batch_id = 0
         self._null_id = self.block_pool.null_block.block_id
-        self.blocks = BlockIndex(self.req_to_blocks, self._null_id)
+        self.blocks = BlockIndex(self.req_to_blocks, self._null_id, pool)
         # Without prefix caching no block is ever cached, nor shared.
         self._caching = kv_cache_manager.enable_caching
 
@@ -158,7 +158,7 @@ class BlockReclaimer:
         # in list order per request, as _null_out frees them.
         order = np.lexsort((entry, seg))
         freed, nulled = self.blocks.null_at_many(
-            rids, seg[order], entry[order], blk[order], self.block_pool.null_block
+            rids, rows, seg[order], entry[order], blk[order], self.block_pool.null_block
         )
         held = np.flatnonzero(nulled)
         if held.size:  # distinct requests: one add
@@ -220,13 +220,14 @@ class BlockReclaimer:
         seg = np.repeat(kept, s[kept + 1] - first)
         order = np.lexsort((moves.src_at[at], seg))
         at, seg = at[order], seg[order]
+        rows = self.pool.rows_or_missing(rids)  # the kept ones have rows
         _, nulled = self.blocks.null_at_many(
-            rids, seg, moves.src_at[at], moves.src_ids[at], null, unshared_only=False
-        )
+            rids, rows, seg, moves.src_at[at], moves.src_ids[at], null,
+            unshared_only=False,
+        )  # fmt: skip
         held = np.flatnonzero(nulled)
         if held.size:  # distinct requests: one add
-            rows = self.pool.rows([rids[k] for k in held.tolist()])
-            self.pool.add_nulls(rows, nulled[held])
+            self.pool.add_nulls(rows[held], nulled[held])
         # Destinations with no live token: rare, so looked for at once.
         empty = self.pool.block_live[moves.dst_ids] == 0
         if empty.any():
@@ -350,7 +351,7 @@ class BlockReclaimer:
         # blocks vLLM may have cached (and so shared) are read one by one: a
         # block's reference count and hash live on its object.
         counts = attrs(values(requests, rids), _COMPUTED) // B
-        ids, num_heads = self.blocks.planned(rids, counts, self._caching)
+        ids, num_heads = self.blocks.planned(rows[chosen], counts, self._caching)
         head = ids[ranges(indptr_of(counts)[:-1], num_heads)].tolist()
         code = np.fromiter(
             [
@@ -518,8 +519,9 @@ class BlockReclaimer:
         found the sources (src_at) a moment ago."""
         nf = np.diff(moves.fresh_indptr)
         at = ranges(moves.src_indptr[:-1], nf)
+        rids = moves.batch.req_ids
         missing = self.blocks.replace_at_many(
-            moves.batch.req_ids, np.repeat(np.arange(nf.size), nf),
+            rids, self.pool.rows(rids), np.repeat(np.arange(nf.size), nf),
             moves.src_at[at], moves.src_ids[at], moves.fresh,
         )  # fmt: skip
         if missing:  # the plan read the lists a moment ago: a broken mirror

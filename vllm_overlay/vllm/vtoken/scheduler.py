@@ -69,7 +69,9 @@ class VTokenScheduler:
         self._requests = requests  # the scheduler's own map, read only
         self.block_size = block_size
         self.block_pool = kv_cache_manager.block_pool
-        self.pool = TokenTablePool(self.block_pool.num_gpu_blocks, block_size)
+        self.pool = TokenTablePool(
+            self.block_pool.num_gpu_blocks, block_size, positional_lists=True
+        )
         self._max_model_len = kv_cache_manager.max_model_len
         # The engine's policy sets the scores the worker computes; its budget
         # (None: evict only requests that ask, request_args.py) is the default.
@@ -299,11 +301,12 @@ class VTokenScheduler:
         self._num_freed += 1
         self._caching.discard(req.request_id)
         self._plan_due.discard(req.request_id)
+        # Its moves first: undoing an evacuation finds the fresh block in the
+        # list's mirror, which the Token Table row holds (BlockIndex).
+        self.reclaimer.drop_moves(req.request_id, rec)
         self.runtime.release(req.request_id)
         if self._scores is not None:
             self._scores.release(req.request_id)
-        self.reclaimer.drop_moves(req.request_id, rec)
-        self.reclaimer.blocks.release(req.request_id)
 
     # ------------------------------------------------------------ internals
     def _running_rows(self, running: list[Request]) -> tuple:
@@ -356,9 +359,7 @@ class VTokenScheduler:
             self._check_tail_blocks(rows, take, blocks, slots)
         self.runtime.sync_rows(rids, take, slots, rows)
         if need.size:
-            self.reclaimer.blocks.record(
-                [rids[i] for i in need.tolist()], first, end, ids
-            )
+            self.reclaimer.blocks.record(rows[need], first, end, ids)
 
     def _check_tail_blocks(self, rows, take, blocks, slots) -> None:
         # The tail block's id is the last slotted token's: vLLM's lists agree.
@@ -414,7 +415,7 @@ class VTokenScheduler:
         nblocks = last - first + 1
         block_at = (nblocks.cumsum() - nblocks)[seg] + pos // B - first[seg]
         self.runtime.sync_rows(rids, counts, ids[block_at] * B + pos % B, rows)
-        self.reclaimer.blocks.record(rids, first, last + 1, ids)
+        self.reclaimer.blocks.record(rows, first, last + 1, ids)
 
     def _register(self, req: Request) -> None:
         rid = req.request_id

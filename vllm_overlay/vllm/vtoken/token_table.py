@@ -65,7 +65,9 @@ class TokenTablePool:
     token, slotted or not (a preempted request keeps its live set), and are O(1).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, positional_lists: bool = False
+    ) -> None:
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         # A power of two (raises otherwise): the kernels shift (table_kernels.log2).
         block_shift(block_size)
@@ -87,18 +89,29 @@ class TokenTablePool:
         # compacted (once they are as many as the live); -1 past them.
         # Otherwise a kill takes its victims out, and a walk copies the list
         # (table_kernels.kill_rows, listed_live; DESIGN.md §3.1).
-        self._a = RowArena(
-            {"slot": (np.int32, -1), "live": (bool, False), "listed": (np.int32, -1)},
-            (
-                "n_tokens",
-                "n_slotted",
-                "n_live",
-                "n_listed",
-                "n_dead_marked",
-                "n_nulls",
-                "keep_dead",
-            ),  # fmt: skip
-        )
+        # With `positional_lists` (the scheduler's), each row also holds the
+        # mirror of its request's positional block list (block_index.py):
+        # `block` (entry e's id at the region's e-th entry: a list has fewer
+        # entries than its request has tokens), `n_entries` mirrored,
+        # `cache_end` (1 + the entries vLLM may have cached; 0: unknown).
+        arrays = {
+            "slot": (np.int32, -1),
+            "live": (bool, False),
+            "listed": (np.int32, -1),
+        }
+        columns = [
+            "n_tokens",
+            "n_slotted",
+            "n_live",
+            "n_listed",
+            "n_dead_marked",
+            "n_nulls",
+            "keep_dead",
+        ]
+        if positional_lists:
+            arrays["block"] = (np.int32, -1)
+            columns += ["n_entries", "cache_end"]
+        self._a = RowArena(arrays, columns)
         self._row = self._a.index
         self._total_live = 0
 
@@ -156,6 +169,12 @@ class TokenTablePool:
     def rows_or_missing(self, req_ids: Sequence[str]) -> np.ndarray:
         """int64 [R]: the rows of `req_ids`, -1 for a request without one."""
         return self._a.rows_or_missing(req_ids)
+
+    @property
+    def arena(self) -> RowArena:
+        """The rows' storage, for BlockIndex: the positional lists' mirror
+        lives in the scheduler's rows (`positional_lists`)."""
+        return self._a
 
     def memo(self) -> BatchMemo:
         """A `BatchMemo` valid while no table is added or released."""
