@@ -7,9 +7,9 @@ reading every entry's id, or finding a block, is a pass over the list in
 Python, per request. `BlockIndex` keeps each list's ids by entry in the
 request's Token Table row (the scheduler's `TokenTablePool` arena, array
 `block`: a list has fewer entries than its request has tokens), so the
-planner reads the ids of every planned request at once and the freeing finds
-its blocks in one compiled pass (block_kernels.py), by the rows the step
-already has::
+planner reads the ids of every planned request at once, by the rows the
+step already has, and the freeing finds a block that is not at the entry it
+is given in one compiled pass (block_kernels.py)::
 
     req_to_blocks[rid]  [b7, b3, null, b4]      (vLLM's objects)
     row's `block`       [ 7,  3,    0,  4, -1 ...]  n_entries = 4; null is 0
@@ -22,9 +22,10 @@ request resumes (`reset` at the preemption; the resume's tokens are slotted
 from entry 0, so its whole list is recorded again). Every other change to a
 list goes through here (`null_at_many`, `replace_at_many`, `null_out`,
 `replace`), which changes vLLM's list and the mirror together. Each block
-changed is checked against vLLM's object first: a list changed behind the
-mirror's back (none is known) is mirrored again from vLLM's list, not
-trusted. `check` compares every mirror with its list (integrity mode).
+changed is checked against vLLM's object first (at the entry given: the
+usual case reads no mirror); a list changed behind the mirror's back (none
+is known to change) is mirrored again from vLLM's list, not trusted.
+`check` compares every mirror with its list (integrity mode).
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ class TokenTablePool:
     """Token Tables of all requests plus the global per-block live counts.
 
     Memory: 9 bytes per token (int32 slot, bool liveness, int32 live-list
-    entry; at most 4x that in slack), 4 per physical block and 64 per request
-    row (its region and six counters, int64).
+    entry; at most 4x that in slack), 4 per physical block and 72 per request
+    row (its region and seven counters, int64); the scheduler's
+    (`positional_lists`) 4 more per token and 16 more per row.
 
     Liveness counters (`num_live`, `total_live`) count live bits of every known
     token, slotted or not (a preempted request keeps its live set), and are O(1).
