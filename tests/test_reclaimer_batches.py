@@ -13,6 +13,14 @@ import pytest
 from tests.test_scheduler_side import B, setup
 
 
+@pytest.fixture(autouse=True)
+def deep_checks(monkeypatch):
+    """The overlay's deep checks, as in tests/runtime (VTOKEN_CHECK_INTEGRITY)."""
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", True)
+
+
 def three(caching=True):
     """Requests A, B and C, 12-token prompts (three blocks each), prefilled
     in one step; the budget leaves every token live."""

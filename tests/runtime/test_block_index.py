@@ -121,6 +121,10 @@ def test_null_out_replaces_the_unshared_blocks_it_is_given(checked):
     assert index.find("a", [7, 5, 3, 9]) == [1, 2]
     assert ids_of(index.null_out("a", [3], NULL, False)) == [3]
     assert ids_of(lists["a"]) == [0, 0, 9, 4, 0]
+    for unshared_only in (True, False):  # in no list, no hint: nothing done
+        assert index.null_out("a", [6], NULL, unshared_only) == []
+        assert ids_of(lists["a"]) == [0, 0, 9, 4, 0]
+    index.check(["a"])
     assert index.planned(["a"], arr(5), caching=False)[0].tolist() == [0, 0, 9, 4, 0]
 
 
@@ -169,10 +173,11 @@ def test_a_list_changed_unseen_is_mirrored_again(monkeypatch):
     out, _ = index.null_at_many(["a"], arr(0), arr(0), arr(7), NULL)
     assert ids_of(out) == [7] and ids_of(lists["a"]) == [9, 3, 0]
     index.check(["a"])
-    lists["a"][1] = block(8)  # not in the mirror, vLLM's at the entry given
-    out, nulled = index.null_at_many(["a"], arr(0), arr(1), arr(8), NULL)
-    assert ids_of(out) == [8] and nulled.tolist() == [1]
-    assert ids_of(lists["a"]) == [9, 0, 0]
+    lists["a"][1] = block(8)  # not in the mirror, vLLM's at the entry given,
+    # with a block the mirror finds elsewhere (so the mirror is searched)
+    out, nulled = index.null_at_many(["a"], arr(0, 0), arr(1, 1), arr(8, 9), NULL)
+    assert ids_of(out) == [9, 8] and nulled.tolist() == [2]  # in list order
+    assert ids_of(lists["a"]) == [0, 0, 0]
     index.check(["a"])
     lists["a"][0] = block(5)  # vLLM's at the entry given: taken from there
     out, _ = index.null_at_many(["a"], arr(0), arr(0), arr(5), NULL)

@@ -22,10 +22,12 @@ request resumes (`reset` at the preemption; the resume's tokens are slotted
 from entry 0, so its whole list is recorded again). Every other change to a
 list goes through here (`null_at_many`, `replace_at_many`, `null_out`,
 `replace`), which changes vLLM's list and the mirror together. Each block
-changed is checked against vLLM's object first (at the entry given: the
-usual case reads no mirror); a list changed behind the mirror's back (none
-is known to change) is mirrored again from vLLM's list, not trusted.
-`check` compares every mirror with its list (integrity mode).
+changed is checked against vLLM's object first: at the entry given (the
+usual case, which reads no mirror), or where the mirror says it is, and a
+list found changed there behind the mirror's back (none is known to change)
+is mirrored again from vLLM's list. Other entries of such a list are not
+checked outside integrity mode, where `check` compares every mirror with
+its list (after each `record`, before each plan, and each step).
 """
 
 from __future__ import annotations
@@ -85,8 +87,10 @@ class BlockIndex:
     def reset(self, rid: str) -> None:
         """Preempted: vLLM frees the list; the resume's is recorded anew."""
         row = self._pool.rows([rid])[0]
-        self._a.cols["n_entries"][row] = 0
-        self._a.cols["cache_end"][row] = 0
+        a = self._a
+        a.data["block"][a.span(row, a.cols["n_entries"][row])] = -1  # fill
+        a.cols["n_entries"][row] = 0
+        a.cols["cache_end"][row] = 0
 
     def stop_caching(self, rid: str, num_cached: int) -> None:
         """vLLM will cache no more of `rid`'s current list: `num_cached`
@@ -277,8 +281,8 @@ class BlockIndex:
         a time."""
         rows, at, lists, blocks = self._settled(rids, rows, seg, hint, ids)
         one = not isinstance(new, list)
-        if not (at == hint).all():  # some elsewhere or in no list (rare)
-            found = at >= 0  # else not in the list (a displaced source)
+        found = at >= 0  # else not in the list (a displaced source)
+        if not (found.all() and (at == hint).all()):  # some elsewhere or in none
             keep = found.tolist()
             seg, at, rows = seg[found], at[found], rows[found]
             lists, blocks = list(compress(lists, keep)), list(compress(blocks, keep))
