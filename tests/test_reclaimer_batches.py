@@ -101,12 +101,13 @@ def bind(kv, vt, caching, evacuate_c=False):
 
 
 @pytest.mark.parametrize("caching", [True, False])
-@pytest.mark.parametrize("drop", [None, "B", "C"])
+@pytest.mark.parametrize("drop", [None, "B", "C", "B-preempted", "C-preempted"])
 def test_a_batch_of_three_requests_binds_and_releases_each_ones_part(caching, drop):
     """Bound: A's block freed at once (nothing to move) and its fresh block
     returned; B's and C's parts at their own offsets. Acknowledged (with B or
-    C dropped first: on_free, its part undone): the kept requests' sources
-    leave their lists, no block stays busy, and every block comes back."""
+    C dropped first: finished, or preempted and still known, its part
+    undone): the kept requests' sources leave their lists, no block stays
+    busy, and every block comes back."""
     from vllm.vtoken.messages import VTokenWorkerOutput
 
     kv, vt, reqs = three(caching)
@@ -129,8 +130,9 @@ def test_a_batch_of_three_requests_binds_and_releases_each_ones_part(caching, dr
     assert m.dst_indptr.tolist() == [0, 1, 2]
     vt.check_integrity()
     if drop:
+        drop, _, how = drop.partition("-")
         r = {x.request_id: x for x in reqs}[drop]
-        vt.on_free(r)
+        vt.on_preempt(r) if how == "preempted" else vt.on_free(r)
         kv.free(r)
         k, d = m.index[drop], m.dst_indptr
         src = m.src_ids[m.src_indptr[k] : m.src_indptr[k + 1]].tolist()
