@@ -33,7 +33,7 @@ class Mirror:
 
     def __init__(self, lists: dict[str, list]) -> None:
         self.pool = TokenTablePool(num_blocks=256, block_size=4, positional_lists=True)
-        self.index = BlockIndex(lists, null_id=0, pool=self.pool)
+        self.index = BlockIndex(lists, pool=self.pool)
 
     def rows(self, rids) -> np.ndarray:
         for rid in rids:

@@ -56,14 +56,11 @@ class BlockIndex:
     vLLM caches no entry at or past it (and so shares none: sharing goes
     through the cache); 0 while unknown (a new row's columns are 0)."""
 
-    def __init__(
-        self, req_to_blocks: dict[str, list], null_id: int, pool: TokenTablePool
-    ) -> None:
+    def __init__(self, req_to_blocks: dict[str, list], pool: TokenTablePool) -> None:
         from vllm.vtoken import block_kernels  # numba: vToken on only
 
         self._k = block_kernels
         self._lists = req_to_blocks  # vLLM's: changed only through here
-        self._null_id = null_id
         self._pool = pool
         self._a = pool.arena
         assert "block" in self._a.data, "a pool without positional_lists"
@@ -153,7 +150,7 @@ class BlockIndex:
             (out, nulled): the blocks null-replaced, in list order per
             request; how many each of `rids` null-replaced (int64).
         """
-        return self._replace_at(rids, rows, seg, entries, ids, null, unshared_only)
+        return self._replace_at(rids, rows, seg, entries, ids, null, unshared_only)[:2]
 
     def replace_at_many(
         self,
@@ -172,14 +169,7 @@ class BlockIndex:
         for them."""
         if len(blocks) != len(ids):
             raise ValueError(f"{len(blocks)} blocks for {len(ids)} entries")
-        at = self._settled(rids, rows, seg, entries, ids)[1]
-        missing = sorted(set(seg[at < 0].tolist()))
-        if missing:
-            keep = ~np.isin(seg, missing)
-            seg, at, ids = seg[keep], at[keep], ids[keep]
-            blocks = list(compress(blocks, keep.tolist()))
-        self._replace_at(rids, rows, seg, at, ids, blocks, False)
-        return missing
+        return self._replace_at(rids, rows, seg, entries, ids, blocks, False, True)[2]
 
     def null_out(
         self, rid: str, ids: list[int], null: KVCacheBlock, unshared_only: bool
@@ -259,7 +249,9 @@ class BlockIndex:
         for _ in range(2):
             at = self._locate(rows, hint, ids)
             at_l, hint_l = at.tolist(), hint.tolist()
-            blocks = [x[e] if e >= 0 else None for x, e in zip(lists, at_l)]  # noqa: B905
+            blocks = [
+                x[e] if e >= 0 else None for x, e in zip(lists, at_l, strict=True)
+            ]
             stale = {}
             for j, (x, b) in enumerate(zip(lists, ids.tolist(), strict=True)):
                 e, h = at_l[j], hint_l[j]
@@ -274,14 +266,19 @@ class BlockIndex:
                 self._resync(rid, row)
         return rows, at, lists, blocks
 
-    def _replace_at(self, rids, rows, seg, hint, ids, new, unshared_only):
+    def _replace_at(self, rids, rows, seg, hint, ids, new, unshared_only, whole=False):
         """null_at_many's and replace_at_many's pass: `new`, the blocks they
-        get, in order (a list), or one block for all (null). The loops over
-        blocks are in C (map): vLLM's objects are read and written a block at
-        a time."""
+        get, in order (a list), or one block for all (null); with `whole`,
+        nothing is done for a request one of whose blocks is in no list.
+        Returns (blocks replaced, how many a request, the requests whose
+        block was missing). The loops over blocks are in C (map): vLLM's
+        objects are read and written a block at a time."""
         rows, at, lists, blocks = self._settled(rids, rows, seg, hint, ids)
         one = not isinstance(new, list)
         found = at >= 0  # else not in the list (a displaced source)
+        missing = sorted(set(seg[~found].tolist()))
+        if whole and missing:
+            found = ~np.isin(seg, missing)
         if not (found.all() and (at == hint).all()):  # some elsewhere or in none
             keep = found.tolist()
             seg, at, rows = seg[found], at[found], rows[found]
@@ -304,4 +301,4 @@ class BlockIndex:
         any(map(setitem, lists, at.tolist(), repeat(new) if one else new))
         put = new.block_id if one else np.fromiter(map(_ID, new), np.int64, len(new))
         self._a.data["block"][self._a.start[rows] + at] = put
-        return blocks, np.bincount(seg, minlength=len(rids))
+        return blocks, np.bincount(seg, minlength=len(rids)), missing

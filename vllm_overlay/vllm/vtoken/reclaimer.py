@@ -118,7 +118,7 @@ class BlockReclaimer:
         self._busy = np.full(pool.num_blocks, -1, np.int64)
         self._next_batch_id = 0
         self._null_id = self.block_pool.null_block.block_id
-        self.blocks = BlockIndex(self.req_to_blocks, self._null_id, pool)
+        self.blocks = BlockIndex(self.req_to_blocks, pool)
         # Without prefix caching no block is ever cached, nor shared.
         self._caching = kv_cache_manager.enable_caching
 
@@ -498,7 +498,7 @@ class BlockReclaimer:
         for r in req_index:
             recs[r].move_batch = batch_id
         if fresh:  # cached sources come first in a plan around the cache
-            self._swap_in(moves)
+            self._swap_in(moves, rows[req_index])
         # Sources are never destinations: their hashes are still the plan's.
         evacuated = int(is_cached[src_ids].sum())
         assert not integrity.CHECK or evacuated == sum(
@@ -511,17 +511,18 @@ class BlockReclaimer:
         self._next_batch_id += 1
         return moves.batch
 
-    def _swap_in(self, moves: InFlightMoves) -> None:
+    def _swap_in(self, moves: InFlightMoves, rows: np.ndarray) -> None:
         """Put each fresh block where the evacuated source it displaces (its
         request's first sources) was in the positional list, so that vLLM
         frees it with the request; the displaced sources are then held by the
         batch alone. One pass for the batch, at the entries where the plan
-        found the sources (src_at) a moment ago."""
+        found the sources (src_at) a moment ago; `rows`: the batch's
+        requests' Token Table rows, in its order."""
         nf = np.diff(moves.fresh_indptr)
         at = ranges(moves.src_indptr[:-1], nf)
         rids = moves.batch.req_ids
         missing = self.blocks.replace_at_many(
-            rids, self.pool.rows(rids), np.repeat(np.arange(nf.size), nf),
+            rids, rows, np.repeat(np.arange(nf.size), nf),
             moves.src_at[at], moves.src_ids[at], moves.fresh,
         )  # fmt: skip
         if missing:  # the plan read the lists a moment ago: a broken mirror
