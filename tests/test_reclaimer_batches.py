@@ -271,3 +271,51 @@ def test_a_plan_and_its_ack_make_as_many_calls_for_16_requests_as_for_4(
     planned_and_acked_calls(4, caching=False)  # first calls: numba's loads
     few, many = (planned_and_acked_calls(n, caching=False) for n in (4, 16))
     assert few == many
+
+
+def test_a_plan_reads_no_null_or_full_cached_block(monkeypatch):
+    """A plan reads the reference count and hash of a request's blocks vLLM
+    may have cached off vLLM's objects (cold in a step), but only of those
+    it may take: not of a full block, nor of a null entry."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
+    from vllm.v1.request import Request
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, _ = setup("vtoken", caching=True, blocks=16, budget=64)
+    r = Request("R", list(range(500, 516)), SamplingParams(), None,
+                block_hasher=get_request_block_hasher(B, sha256))  # fmt: skip
+    vt._requests.clear()
+    vt._requests["R"] = r
+    vt.begin_step([])
+    assert kv.allocate_slots(r, 16) is not None
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"R": 16}))
+    r.num_computed_tokens += 16
+    r.append_output_token_ids(7)
+    vt.on_output(VTokenWorkerOutput())
+    ids = [b.block_id for b in vt.reclaimer.positional("R")]
+    assert all(kv.block_pool.blocks[b].block_hash is not None for b in ids)
+    # b0 full; b1 emptied, so freed (null); holes in b2 and b3.
+    dead = np.array([4, 5, 6, 7, 9, 10, 13, 14])
+    vt.pool.evict("R", dead)
+    vt.reclaimer.free_empty_blocks(["R"], np.zeros(dead.size, np.int64), dead)
+    vt.reclaimer.stop_caching("R")
+    null = kv.block_pool.null_block.block_id
+    assert [b.block_id for b in vt.reclaimer.positional("R")] == [
+        ids[0], null, ids[2], ids[3]
+    ]  # fmt: skip
+    read = []
+    hash_of = KVCacheBlock.block_hash
+
+    def counted_hash(block):
+        read.append(block.block_id)
+        return hash_of.fget(block)
+
+    monkeypatch.setattr(
+        KVCacheBlock, "block_hash", property(counted_hash, hash_of.fset)
+    )
+    batch = vt.reclaimer.plan(["R"], vt._reqs, vt._requests, ["R"])
+    assert batch is not None and batch.req_ids == ["R"]
+    assert ids[2] in read and ids[3] in read  # the candidates are read
+    assert ids[0] not in read and null not in read

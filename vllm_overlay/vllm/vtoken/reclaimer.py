@@ -349,17 +349,21 @@ class BlockReclaimer:
             return None
         # Full blocks written before this step; the tail is being filled. The
         # blocks vLLM may have cached (and so shared) are read one by one: a
-        # block's reference count and hash live on its object.
+        # block's reference count and hash live on its object, cold in a
+        # step. Only those a plan may take: a null or full block is never a
+        # candidate (its code is not read; 2, unshared and uncached, stands).
         counts = attrs(values(requests, rids), _COMPUTED) // B
         ids, num_heads = self.blocks.planned(rows[chosen], counts, self._caching)
-        head = ids[ranges(indptr_of(counts)[:-1], num_heads)].tolist()
-        code = np.fromiter(
+        head = ids[ranges(indptr_of(counts)[:-1], num_heads)]
+        code = np.full(head.size, 2, np.int64)
+        read = (head != self._null_id) & (self.pool.block_live[head] < B)
+        code[read] = np.fromiter(
             [
                 x.ref_cnt * 2 + (x.block_hash is not None)
-                for x in map(self.block_pool.blocks.__getitem__, head)
+                for x in map(self.block_pool.blocks.__getitem__, head[read].tolist())
             ],
             np.int64,
-            len(head),
+            int(read.sum()),
         )
         if integrity.CHECK:  # past cached_upto: neither shared nor cached
             for rid, h, n in zip(
