@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vllm.vtoken.packing import Moves, pack_requests
-from vllm.vtoken.planner import BlockPlan, _lexsort, plan_around_cache, plan_blocks
+from vllm.vtoken.planner import BlockPlan, plan_around_cache, plan_blocks
 from vllm.vtoken.token_table import TokenTablePool
 
 B = 4
@@ -254,14 +254,6 @@ def test_plan_blocks_validates_arguments():
     for change in bad:
         with pytest.raises(AssertionError):
             plan_blocks(**{**good, **change})
-
-
-def test_lexsort_matches_numpy():
-    rng = np.random.default_rng(0)
-    for widths in ([5, 3], [17, 1024], [300, 300, 2], [1 << 17, 4], [1]):
-        keys = [rng.integers(-(w // 2), w - w // 2, size=500) for w in widths]
-        np.testing.assert_array_equal(_lexsort(*keys), np.lexsort(keys))
-    assert _lexsort(np.zeros(0, np.int64)).size == 0
 
 
 def block_plan(src: list[list[int]], dst: list[list[int]], fresh=None) -> BlockPlan:

@@ -3,9 +3,8 @@
 
 Scheduler side; pure functions, no state, no Python loop over requests, blocks
 or tokens (the paper names planner CPU time as vToken's dominant cost): each
-call is one pass over every request planned in the step, compiled
-(planner_kernels.py) for the in-place plan and the packing, vectorized NumPy
-for the rarer plan around the prefix cache:
+call is one compiled pass over every request planned in the step
+(planner_kernels.py):
 
 1. `plan_blocks`: per request, the sparsest blocks whose live tokens fit into
    the holes of the request's other blocks (in place).
@@ -46,7 +45,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import indptr_of, ranges
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,55 +63,6 @@ class BlockPlan:
     def blocks_freed(self) -> int:
         """Blocks returned to the pool, net, once every plan is acknowledged."""
         return int(self.src_block_ids.size - self.num_fresh.sum())
-
-
-_RADIX = 1 << 16  # NumPy's stable sort of <= 16-bit integers is a radix sort
-
-
-def _lexsort(*keys: np.ndarray) -> np.ndarray:
-    """np.lexsort(keys): stable, the last key primary. The planner's keys are
-    small (live counts, request indices, ranks), so they are packed into
-    16-bit digits and radix-sorted, a pass each: lexsort's merge sorts were
-    most of the planner's time at 100k blocks."""
-    n = len(keys[0])
-    digits, digit, span = [], None, 1
-    for key in keys:  # least significant first
-        key = np.asarray(key, dtype=np.int64)
-        lo = int(key.min()) if n else 0
-        width = int(key.max()) - lo + 1 if n else 1
-        key = key - lo
-        if width > _RADIX:
-            return np.lexsort(keys)
-        if span * width > _RADIX:
-            digits.append(digit)
-            digit, span = None, 1
-        part = key if span == 1 else key * span
-        digit = part if digit is None else digit + part
-        span *= width
-    order = None
-    for d in [*digits, digit]:  # least significant first
-        d = (d if order is None else d[order]).astype(np.uint16)
-        step = np.argsort(d, kind="stable")
-        order = step if order is None else order[step]
-    return order
-
-
-def _cumsum_before_in_group(
-    rows: np.ndarray, values: np.ndarray, num_groups: int
-) -> np.ndarray:
-    """For entries grouped by `rows` (non-decreasing): the sum of `values` of
-    the earlier entries of the same group (an exclusive cumsum per group)."""
-    before = np.cumsum(values) - values
-    if rows.size:
-        first = np.minimum(np.searchsorted(rows, np.arange(num_groups)), rows.size - 1)
-        before -= before[first][rows]
-    return before
-
-
-def _segment_sum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
-    """int64 [R]: the sum of `values` over each CSR segment of `indptr`."""
-    total = indptr_of(values)
-    return total[indptr[1:]] - total[indptr[:-1]]
 
 
 def _check_csr(indptr: np.ndarray, n: int) -> None:
@@ -167,8 +116,6 @@ def plan_blocks(
         assert live.size == 0 or (0 <= live.min() and live.max() <= block_size)
         assert np.unique(ids).size == ids.size, "block_ids repeat a block"
 
-    # The threshold as a live count: l / B < threshold exactly when l < lim.
-    lim = sum(n / block_size < threshold for n in range(block_size + 1))
     prio = np.zeros(ids.size, np.int64)
     if dst_priority is not None:
         prio = np.asarray(dst_priority, np.int64)
@@ -177,7 +124,7 @@ def plan_blocks(
 
     req_index, src_indptr, src, dst_indptr, dst = plan_in_place(
         indptr, ids.astype(np.int32, copy=False), live, prio,
-        bool(prio.any()), block_size, lim,
+        bool(prio.any()), block_size, _live_limit(block_size, threshold),
     )  # fmt: skip
     if req_index.size == 0:
         return _empty_plan()
@@ -191,30 +138,9 @@ def plan_blocks(
     )
 
 
-def _plan(ids, live, req, src, dst, fresh, block_size) -> BlockPlan:
-    """The BlockPlan of entries `src` (sources, grouped by request) and `dst`
-    (destinations by request in order of preference): as many destinations
-    as the moved tokens need; `fresh` [R] fresh blocks after them."""
-    num_req = fresh.size
-    groups = np.arange(num_req + 1)
-    s_at = np.searchsorted(req[src], groups)
-    need = _segment_sum(live[src], s_at)
-    # A request's destinations are taken while the holes before them fall
-    # short of `need`: a prefix of its list, found on the running hole count.
-    d_at = np.searchsorted(req[dst], groups)
-    holes = indptr_of(block_size - live[dst])
-    n_dst = np.searchsorted(holes, holes[d_at[:-1]] + need) - d_at[:-1]
-    n_dst = np.minimum(n_dst, np.diff(d_at))
-    req_index = np.flatnonzero(np.diff(s_at) > 0)
-    n_src, n_dst = np.diff(s_at)[req_index], n_dst[req_index]
-    return BlockPlan(
-        req_index=req_index,
-        src_indptr=indptr_of(n_src),
-        src_block_ids=ids[src].astype(np.int32),
-        dst_indptr=indptr_of(n_dst),
-        dst_block_ids=ids[dst[ranges(d_at[req_index], n_dst)]].astype(np.int32),
-        num_fresh=fresh[req_index],
-    )
+def _live_limit(block_size: int, threshold: float) -> int:
+    """The threshold as a live count: l / B < threshold exactly when l < it."""
+    return sum(n / block_size < threshold for n in range(block_size + 1))
 
 
 def _empty_plan() -> BlockPlan:
@@ -259,58 +185,25 @@ def plan_around_cache(
         The plan; `num_fresh` fresh blocks follow each request's destinations.
     """
     assert 0.0 < threshold <= 1.0 and block_size > 0, (threshold, block_size)
-    B, indptr = block_size, np.asarray(req_indptr, dtype=np.int64)
+    indptr = np.asarray(req_indptr, dtype=np.int64)
     ids, cached = np.asarray(block_ids), np.asarray(cached, dtype=bool)
     live = np.asarray(block_live, dtype=np.int64)
     assert live.shape == ids.shape == cached.shape, (ids.shape, cached.shape)
     if integrity.CHECK:
         _check_csr(indptr, ids.size)
-    num_req = indptr.size - 1
-    req = np.repeat(np.arange(num_req, dtype=np.int64), np.diff(indptr))
-    cand = live / B < threshold
-    holes_u = np.bincount(req[~cached], weights=B - live[~cached], minlength=num_req)
-    holes_u = holes_u.astype(np.int64)
-    cand_u = np.bincount(req[cand & ~cached], minlength=num_req)
+    from vllm.vtoken.planner_kernels import plan_cached  # numba: vToken on only
 
-    def gain(k, m, r):
-        slack = holes_u[r] - m
-        return (
-            k
-            + np.minimum(cand_u[r], np.maximum(slack, 0) // B)
-            - -(-np.maximum(-slack, 0) // B)
-        )
-
-    # Cached candidates, sparsest first per request; k = rank + 1 of each.
-    cc = np.flatnonzero(cand & cached)
-    order = cc[_lexsort(live[cc], req[cc])]  # stable
-    o_req, o_live = req[order], live[order]
-    rank = _cumsum_before_in_group(o_req, np.ones_like(o_req), num_req)
-    m = _cumsum_before_in_group(o_req, o_live, num_req) + o_live
-    g = gain(rank + 1, m, o_req)
-    top = _lexsort(rank, -g, o_req)  # per request: best gain, then shortest
-    if top.size:
-        top = top[np.r_[True, np.diff(o_req[top]) != 0]]
-    k_c, m_c = np.zeros(num_req, np.int64), np.zeros(num_req, np.int64)
-    better = top[g[top] > gain(0, 0, o_req[top])]
-    k_c[o_req[better]], m_c[o_req[better]] = rank[better] + 1, m[better]
-    total = gain(k_c, m_c, np.arange(num_req))
-    planned = total >= 1
-    k_u = np.where(planned, np.minimum(cand_u, np.maximum(holes_u - m_c, 0) // B), 0)
-    k_c = np.where(planned, k_c, 0)
-    # Sources: the k_c sparsest cached and the k_u sparsest uncached candidates.
-    uc = np.flatnonzero(cand & ~cached)
-    u_order = uc[_lexsort(live[uc], req[uc])]
-    u_rank = _cumsum_before_in_group(req[u_order], np.ones_like(u_order), num_req)
-    is_src = np.zeros(ids.size, dtype=bool)
-    is_src[order[rank < k_c[o_req]]] = True
-    is_src[u_order[u_rank < k_u[req[u_order]]]] = True
-    if not planned.any():
+    req_index, src_indptr, src, dst_indptr, dst, num_fresh = plan_cached(
+        indptr, ids.astype(np.int32, copy=False), live, cached, block_size,
+        _live_limit(block_size, threshold),
+    )  # fmt: skip
+    if req_index.size == 0:
         return _empty_plan()
-    src = np.flatnonzero(is_src)
-    src = src[_lexsort(live[src], ~cached[src], req[src])]  # cached first
-    # Destinations: uncached non-sources with a hole, densest first, as many as
-    # the moved tokens need; fresh blocks take what they cannot.
-    dst = np.flatnonzero(~is_src & ~cached & planned[req] & (live < B))
-    dst = dst[_lexsort(B - live[dst], req[dst])]
-    fresh = -(-np.maximum(m_c - holes_u, 0) // B)
-    return _plan(ids, live, req, src, dst, fresh, B)
+    return BlockPlan(
+        req_index=req_index,
+        src_indptr=src_indptr,
+        src_block_ids=src,
+        dst_indptr=dst_indptr,
+        dst_block_ids=dst,
+        num_fresh=num_fresh,
+    )

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compiled loops of the in-place planner and of packing (numba).
+"""Compiled loops of the planner and of packing (numba).
 
-Scheduler side, for planner.plan_blocks and packing.pack_requests: each one
-pass over the planned requests' blocks, and one over their tokens, where the
-NumPy versions made a dozen passes and sorts over every block and token (the
-paper names planner CPU time as vToken's dominant cost). Same rules, same
-output, the docstrings of those two functions being the spec; the loop
-references in tests/runtime/test_planner.py check both. Imported only with
+Scheduler side, for planner.plan_blocks, planner.plan_around_cache and
+packing.pack_requests: each one pass over the planned requests' blocks, and
+one over their tokens, where the NumPy versions made a dozen passes and sorts
+over every block and token (the paper names planner CPU time as vToken's
+dominant cost; in a step, each NumPy call also starts cold). Same rules, same
+output, the docstrings of those functions being the spec; the loop
+references in tests/runtime/test_planner.py check all three. Imported only with
 vToken on; compiled at import, as table_kernels.py is.
 """
 
@@ -152,6 +153,98 @@ def plan_in_place(indptr, ids, live, prio, has_prio, block_size, lim):
         src_ids[:s_out],
         dst_ptr[: k_out + 1],
         dst_ids[:d_out],
+    )
+
+
+@numba.njit(
+    numba.types.Tuple((_i64, _i64, _i32, _i64, _i32, _i64))(
+        _i64, _i32, _i64, numba.boolean[::1], numba.int64, numba.int64
+    ),
+    **_jit,
+)
+def plan_cached(indptr, ids, live, cached, block_size, lim):
+    """plan_around_cache's rule per request, blocks [indptr[r], indptr[r+1]):
+    with U its uncached blocks (H_U holes, c_U candidates: live < lim) and
+    its cached candidates sparsest first (ties: input order), the first k of
+    them (m live tokens) emptied frees gain(k) = k + min(c_U, max(0, H_U -
+    m) // B) - ceil(max(0, m - H_U) / B) blocks; the largest gain, the
+    shortest k for it, k > 0 only where it beats k = 0, planned if at least
+    one. Sources: those k, then U's min(c_U, max(0, H_U - m) // B) sparsest
+    candidates; destinations: U's other blocks with a hole, densest first,
+    as many as the sources' live tokens need; then ceil(max(0, m - H_U) / B)
+    fresh blocks. Returns (req_index, src_indptr, src_block_ids, dst_indptr,
+    dst_block_ids, num_fresh)."""
+    B, num_req, n = block_size, indptr.size - 1, ids.size
+    req_index, num_fresh = np.zeros(num_req, np.int64), np.zeros(num_req, np.int64)
+    src_ptr, dst_ptr = np.zeros(num_req + 1, np.int64), np.zeros(num_req + 1, np.int64)
+    src_ids, dst_ids = np.empty(n, np.int32), np.empty(n, np.int32)
+    is_src = np.zeros(n, np.bool_)
+    cand, key = np.empty(n, np.int64), np.empty(n, np.int64)
+    c_order, u_order = np.empty(n, np.int64), np.empty(n, np.int64)
+    count = np.empty(B + 2, np.int64)
+    k_out = s_out = d_out = 0
+    for r in range(num_req):
+        lo, hi = indptr[r], indptr[r + 1]
+        holes = cand_u = 0
+        for j in range(lo, hi):
+            if not cached[j]:
+                holes += B - live[j]
+                cand_u += live[j] < lim
+        # The cached candidates, sparsest first; the gain of emptying each
+        # prefix of them (k_c = 0: the plan over U alone).
+        c = 0
+        for j in range(lo, hi):
+            if cached[j] and live[j] < lim:
+                cand[c], key[c] = j, live[j]
+                c += 1
+        _sort_small(cand, key, c, B + 1, count, c_order)
+        best = min(cand_u, holes // B)
+        k_c = m_c = m = 0
+        for k in range(1, c + 1):
+            m += live[c_order[k - 1]]
+            slack = holes - m
+            g = k + min(cand_u, max(slack, 0) // B) - (max(-slack, 0) + B - 1) // B
+            if g > best:
+                best, k_c, m_c = g, k, m
+        if best < 1:
+            continue
+        k_u = min(cand_u, max(holes - m_c, 0) // B)
+        c = 0
+        for j in range(lo, hi):
+            if not cached[j] and live[j] < lim:
+                cand[c], key[c] = j, live[j]
+                c += 1
+        _sort_small(cand, key, c, B + 1, count, u_order)
+        need = 0
+        for t in range(k_c + k_u):  # the cached sources first
+            j = c_order[t] if t < k_c else u_order[t - k_c]
+            is_src[j] = True
+            src_ids[s_out] = ids[j]
+            s_out += 1
+            need += live[j]
+        c = 0
+        for j in range(lo, hi):
+            if not cached[j] and not is_src[j] and live[j] < B:
+                cand[c], key[c] = j, B - live[j]
+                c += 1
+        _sort_small(cand, key, c, B + 1, count, u_order)  # densest first
+        t = 0
+        while need > 0 and t < c:  # as many as the moved tokens need
+            dst_ids[d_out] = ids[u_order[t]]
+            d_out += 1
+            need -= B - live[u_order[t]]
+            t += 1
+        req_index[k_out] = r
+        num_fresh[k_out] = (max(m_c - holes, 0) + B - 1) // B
+        k_out += 1
+        src_ptr[k_out], dst_ptr[k_out] = s_out, d_out
+    return (
+        req_index[:k_out],
+        src_ptr[: k_out + 1],
+        src_ids[:s_out],
+        dst_ptr[: k_out + 1],
+        dst_ids[:d_out],
+        num_fresh[:k_out],
     )
 
 
