@@ -21,7 +21,8 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
   histogram, record_dead   record how many held blocks have 0..B live tokens
               (every step), each request's evicted tokens (as of its last step)
   count_calls  count the Python and C calls engine steps make (slower)
-  count_hook_calls  count those inside vToken's hooks, and time a fixed probe
+  count_hook_calls  count those inside vToken's hooks, and the lines of the
+              overlay's code they run, and time a fixed probe
               of NumPy calls as the scheduler's begin_step starts (after the
               last forward and vLLM's output processing) and again at once
               (warm): what a call costs there
@@ -228,6 +229,9 @@ def counted(step, calls: dict[str, int]):
 # Python and C calls inside vToken's per-step hooks, both sides (the engine
 # core, scheduler and worker share this thread): the spec's "count_hook_calls".
 HOOK_CALLS = {"call": 0, "c_call": 0}
+# Lines of the overlay's code those hooks run: a loop that makes no call (a
+# `for` setting attributes, a comprehension) shows here only.
+HOOK_LINES = {"line": 0}
 HOOKS = {
     "vllm.vtoken.scheduler:VTokenScheduler": ("begin_step", "end_step", "on_output"),
     "vllm.vtoken.worker:VTokenWorker": ("begin_step", "prepare_attention", "end_step"),
@@ -296,12 +300,21 @@ def time_hooks() -> None:
 
 
 def count_hook_calls() -> None:
-    """Wraps vToken's step hooks so that the calls they make are counted, and
-    the scheduler's begin_step so that `probe` runs cold and warm before it."""
+    """Wraps vToken's step hooks so that the calls they make, and the lines
+    of the overlay they run, are counted, and the scheduler's begin_step so
+    that `probe` runs cold and warm before it."""
 
     def hook(frame, event, arg) -> None:
         if event in HOOK_CALLS:
             HOOK_CALLS[event] += 1
+
+    def line(frame, event, arg):
+        if event == "line":
+            HOOK_LINES["line"] += 1
+        return line
+
+    def trace(frame, event, arg):
+        return line if "/vllm/vtoken/" in frame.f_code.co_filename else None
 
     def wrap(cls, name, fn):
         first = (cls.__name__, name) == ("VTokenScheduler", "begin_step")
@@ -311,9 +324,11 @@ def count_hook_calls() -> None:
                 PROBE_NS["cold"] += probe()
                 PROBE_NS["warm"] += probe()
             sys.setprofile(hook)
+            sys.settrace(trace)
             try:
                 return fn(*args, **kwargs)
             finally:
+                sys.settrace(None)
                 sys.setprofile(None)
 
         return counting
@@ -425,6 +440,7 @@ class Driver:
                     c, "worker_ns", 0
                 )
                 state["hook_calls"] = HOOK_CALLS["call"] + HOOK_CALLS["c_call"]
+                state["hook_lines"] = HOOK_LINES["line"]
                 state["probe_cold_ns"] = PROBE_NS["cold"]
                 state["probe_warm_ns"] = PROBE_NS["warm"]
                 if HOOK_NS:

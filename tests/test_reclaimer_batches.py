@@ -240,29 +240,42 @@ def planned_and_acked_calls(n: int, caching: bool) -> tuple[int, int]:
     return planned, acked
 
 
-def counted(run) -> tuple[int, object]:
-    """(the Python and C calls `run()` makes, what it returns)."""
+def counted(run) -> tuple[tuple[int, int], object]:
+    """((the Python and C calls `run()` makes, the lines of the overlay's
+    code it runs), what it returns). Lines count the loops that make no
+    call: a `for` over requests setting an attribute, a comprehension."""
     import sys
 
-    calls = 0
+    calls = lines = 0
 
     def hook(frame, event, arg) -> None:
         nonlocal calls
         calls += event in ("call", "c_call")
 
+    def line(frame, event, arg):
+        nonlocal lines
+        lines += event == "line"
+        return line
+
+    def trace(frame, event, arg):
+        return line if "/vllm/vtoken/" in frame.f_code.co_filename else None
+
     sys.setprofile(hook)
+    sys.settrace(trace)
     try:
         out = run()
     finally:
+        sys.settrace(None)
         sys.setprofile(None)
-    return calls, out
+    return (calls, lines), out
 
 
 def test_a_plan_and_its_ack_make_as_many_calls_for_16_requests_as_for_4(
     monkeypatch,
 ):
     """Requests planned in one step are planned, bound and acknowledged in
-    one batch pass: no call per request (DESIGN.md §7.1). Without prefix
+    one batch pass: no call, nor line of the overlay, per request (DESIGN.md
+    §7.1). Without prefix
     caching: a cached block's reference count and hash are read from vLLM's
     object, a property call per cached block, by design."""
     from vllm.vtoken import integrity

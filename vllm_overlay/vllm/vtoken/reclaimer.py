@@ -29,7 +29,7 @@ pass over a request's list in Python.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import attrgetter, is_not
@@ -88,6 +88,12 @@ class InFlightMoves:
         return np.concatenate(
             [self.src_ids[s[k] : s[k + 1]], self.dst_ids[d[k] : d[k + 1]]]
         )
+
+
+def _set_batch(recs: Iterable[RequestState], batch_id: int | None) -> None:
+    """Each state's `move_batch` becomes batch_id, in a C loop (setattr
+    returns None: `any` runs the map to its end)."""
+    any(map(setattr, recs, repeat("move_batch"), repeat(batch_id)))
 
 
 class BlockReclaimer:
@@ -237,8 +243,7 @@ class BlockReclaimer:
             for k in kept[hit[kept]].tolist():
                 dead = moves.dst_ids[d[k] : d[k + 1]][empty[d[k] : d[k + 1]]]
                 freed += self._null_out(rids[k], dead.tolist(), unshared_only=True)
-        for k in kept.tolist():
-            recs[k].move_batch = None
+        _set_batch(map(recs.__getitem__, kept.tolist()), None)
         # The fresh blocks that replaced displaced sources came from the pool.
         self.counters.reclaimed_blocks -= int((f[kept + 1] - f[kept]).sum())
         self._free(freed)
@@ -324,10 +329,12 @@ class BlockReclaimer:
         frees as many (docs/DESIGN.md §3.3).
         """
         B, pool = self.block_size, self.pool
-        due = [r for r in due if r in reqs and r in requests and r in scheduled]
+        # (The loops over requests in C: filter, map.)
+        known = filter(requests.__contains__, filter(reqs.__contains__, due))
+        due = list(filter(scheduled.__contains__, known))
         rows = pool.rows(due)
         order = np.argsort(rows)  # in row order: reproducible
-        due, rows = [due[k] for k in order.tolist()], rows[order]
+        due, rows = list(map(due.__getitem__, order.tolist())), rows[order]
         recs = values(reqs, due)
         assert not integrity.CHECK or all(
             n == sum(b.is_null for b in self.positional(rid))
@@ -344,7 +351,7 @@ class BlockReclaimer:
         chosen = np.flatnonzero(ripe & ~busy)
         pool.mark_rows(rows[chosen])
         chosen = chosen.tolist()
-        rids = [due[k] for k in chosen]
+        rids = list(map(due.__getitem__, chosen))
         if not rids:
             return None
         # Full blocks written before this step; the tail is being filled. The
@@ -407,7 +414,12 @@ class BlockReclaimer:
         entry_of = dict(zip(block_ids.tolist(), pos.tolist(), strict=True))
         cached_ids = block_ids[is_cached]
         return self._bind(
-            plan, [recs[k] for k in chosen], rids, rows[chosen], entry_of, cached_ids
+            plan,
+            list(map(recs.__getitem__, chosen)),
+            rids,
+            rows[chosen],
+            entry_of,
+            cached_ids,
         )
 
     def _bind(
@@ -459,7 +471,7 @@ class BlockReclaimer:
             self.block_pool.evict_blocks(set(cached.tolist()))
         by_id = self.block_pool.blocks
         src_ids = plan.src_block_ids.astype(np.int64)
-        src = [by_id[b] for b in src_ids.tolist()]
+        src = list(map(by_id.__getitem__, src_ids.tolist()))
         num_src, fresh_at = np.diff(plan.src_indptr), indptr_of(plan.num_fresh)
         assert (plan.num_fresh <= num_src).all(), "a fresh block displaces no source"
         num_moves = np.diff(m.indptr)
@@ -479,7 +491,7 @@ class BlockReclaimer:
         num_dst = np.diff(dst_at)[moving]
         assert (num_dst > 0).all(), "a request moves tokens into no block"
         req_index = plan.req_index[moving].tolist()
-        out_rids = [rids[r] for r in req_index]
+        out_rids = list(map(rids.__getitem__, req_index))
         moves = InFlightMoves(
             batch=MoveBatch(
                 batch_id=batch_id,
@@ -497,10 +509,9 @@ class BlockReclaimer:
             fresh=fresh,
             dst_indptr=indptr_of(num_dst),
             dst_ids=dst_ids,
-            index={rid: k for k, rid in enumerate(out_rids)},
+            index=dict(zip(out_rids, range(len(out_rids)))),
         )
-        for r in req_index:
-            recs[r].move_batch = batch_id
+        _set_batch(map(recs.__getitem__, req_index), batch_id)
         if fresh:  # cached sources come first in a plan around the cache
             self._swap_in(moves, rows[req_index])
         # Sources are never destinations: their hashes are still the plan's.

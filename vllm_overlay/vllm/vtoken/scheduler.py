@@ -206,7 +206,8 @@ class VTokenScheduler:
             )
             self.counters.planner_ns += time.perf_counter_ns() - t0
             self.counters.plan_calls += 1
-            left = [r for r in self._plan_due if r in self._reqs]  # still due:
+            # Still due: a block's worth of holes left (in C: filter).
+            left = list(filter(self._reqs.__contains__, self._plan_due))
             due = self.pool.plan_due(self.pool.rows(left))
             self._plan_due = set(compress(left, due))
         chunks, self._step_dead = self._step_dead, []
