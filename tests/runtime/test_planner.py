@@ -486,3 +486,31 @@ def test_candidate_blocks_match_the_numpy_selection(seed):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
     assert got[1].dtype == np.int32 and got[3].dtype == bool
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ack_entries_match_the_numpy_they_replace(seed):
+    """planner_kernels.ack_entries against release_sources' former NumPy: a
+    batch of parts with sources (the first nf of each displaced), some parts
+    acknowledged."""
+    from vllm.vtoken.arena import indptr_of, ranges
+    from vllm.vtoken.planner_kernels import ack_entries
+
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 9))
+    num_src = rng.integers(1, 6, k)
+    num_fresh = rng.integers(0, num_src + 1)
+    s, f = indptr_of(num_src), indptr_of(num_fresh)
+    src_at = np.concatenate([rng.permutation(12)[:n] for n in num_src])
+    src_ids = rng.permutation(100)[: s[-1]].astype(np.int64)
+    kept = np.flatnonzero(rng.random(k) < 0.7)
+    src, seg, at, ids, nf = ack_entries(kept, s, f, src_at, src_ids)
+    assert src.tolist() == ranges(s[kept], s[kept + 1] - s[kept]).tolist()
+    first = s[kept] + f[kept + 1] - f[kept]
+    want_at = ranges(first, s[kept + 1] - first)
+    want_seg = np.repeat(kept, s[kept + 1] - first)
+    order = np.lexsort((src_at[want_at], want_seg))
+    assert seg.tolist() == want_seg[order].tolist()
+    assert at.tolist() == src_at[want_at[order]].tolist()
+    assert ids.tolist() == src_ids[want_at[order]].tolist()
+    assert nf == int((f[kept + 1] - f[kept]).sum())

@@ -249,6 +249,41 @@ def plan_cached(indptr, ids, live, cached, block_size, lim):
 
 
 @numba.njit(
+    numba.types.Tuple((_i64, _i64, _i64, _i64, numba.int64))(*[_i64] * 5), **_jit
+)
+def ack_entries(kept, src_ptr, fresh_ptr, src_at, src_ids):
+    """What freeing the sources of a batch's acknowledged parts `kept`
+    (ascending) takes (BlockReclaimer.release_sources): (src, seg, at, ids,
+    num_fresh): the positions in the batch of those parts' sources, in batch
+    order; the sources still in their lists (a part's sources past its first
+    fresh_ptr[k + 1] - fresh_ptr[k], which fresh blocks displaced) by part
+    `seg`, their entries `at` ascending within a part (list order) and ids;
+    and the parts' fresh blocks. One call where the NumPy took ~25."""
+    n = 0
+    for k in kept:
+        n += src_ptr[k + 1] - src_ptr[k]
+    src = np.empty(n, np.int64)
+    seg, at, ids = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    i = m = num_fresh = 0
+    for k in kept:
+        lo, hi = src_ptr[k], src_ptr[k + 1]
+        for j in range(lo, hi):
+            src[i] = j
+            i += 1
+        nf = fresh_ptr[k + 1] - fresh_ptr[k]
+        num_fresh += nf
+        base = m
+        for j in range(lo + nf, hi):  # insertion by entry: a few a part
+            e, w = src_at[j], m
+            while w > base and at[w - 1] > e:
+                at[w], ids[w] = at[w - 1], ids[w - 1]
+                w -= 1
+            at[w], ids[w], seg[m] = e, src_ids[j], k
+            m += 1
+    return src, seg[:m], at[:m], ids[:m], num_fresh
+
+
+@numba.njit(
     numba.types.Tuple((numba.int64, *[_i64] * 4))(*[_i64] * 8, *[numba.int64] * 2),
     **_jit,
 )

@@ -109,6 +109,7 @@ class BlockReclaimer:
         from vllm.vtoken import planner_kernels  # numba: vToken on only, load it now
 
         self._candidate_blocks = planner_kernels.candidate_blocks
+        self._ack_entries = planner_kernels.ack_entries
         self.pool = pool
         self.block_size = pool.block_size
         self.block_pool = kv_cache_manager.block_pool
@@ -207,36 +208,32 @@ class BlockReclaimer:
         and the destinations left without a live token (every token in them
         died while the copy was in flight: busy, free_empty_blocks kept
         them), in one `free_blocks`."""
-        kept = np.flatnonzero(keep)
+        kept = keep.nonzero()[0]
         if not kept.size:
             return
         null, rids = self.block_pool.null_block, moves.batch.req_ids
-        s, f, d = moves.src_indptr, moves.fresh_indptr, moves.dst_indptr
+        d = moves.dst_indptr
         # Every source is freed; the displaced ones (each request's first nf)
         # are not in the list, the others are null-replaced where the planner
         # found them, in list order per request (as null_at does).
-        src = ranges(s[kept], s[kept + 1] - s[kept]).tolist()
+        src, seg, at, ids, num_fresh = self._ack_entries(
+            kept, moves.src_indptr, moves.fresh_indptr, moves.src_at, moves.src_ids
+        )
         freed = (
             list(moves.src)
-            if len(src) == len(moves.src)
-            else [moves.src[i] for i in src]
+            if src.size == len(moves.src)
+            else list(map(moves.src.__getitem__, src.tolist()))
         )
-        first = s[kept] + f[kept + 1] - f[kept]
-        at = ranges(first, s[kept + 1] - first)
-        seg = np.repeat(kept, s[kept + 1] - first)
-        order = np.lexsort((moves.src_at[at], seg))
-        at, seg = at[order], seg[order]
         rows = self.pool.rows_or_missing(rids)  # the kept ones have rows
         _, nulled = self.blocks.null_at_many(
-            rids, rows, seg, moves.src_at[at], moves.src_ids[at], null,
-            unshared_only=False,
-        )  # fmt: skip
-        held = np.flatnonzero(nulled)
+            rids, rows, seg, at, ids, null, unshared_only=False
+        )
+        held = nulled.nonzero()[0]
         if held.size:  # distinct requests: one add
             self.pool.add_nulls(rows[held], nulled[held])
         # Destinations with no live token: rare, so looked for at once.
         empty = self.pool.block_live[moves.dst_ids] == 0
-        if empty.any():
+        if np.logical_or.reduce(empty):  # (.any(): 3 calls)
             owner = np.repeat(np.arange(len(rids)), np.diff(d))
             hit = np.zeros(len(rids), bool)
             hit[owner[empty]] = True
@@ -245,7 +242,7 @@ class BlockReclaimer:
                 freed += self._null_out(rids[k], dead.tolist(), unshared_only=True)
         _set_batch(map(recs.__getitem__, kept.tolist()), None)
         # The fresh blocks that replaced displaced sources came from the pool.
-        self.counters.reclaimed_blocks -= int((f[kept + 1] - f[kept]).sum())
+        self.counters.reclaimed_blocks -= num_fresh
         self._free(freed)
 
     def drop_moves(self, rid: str, rec: RequestState) -> None:
@@ -333,7 +330,7 @@ class BlockReclaimer:
         known = filter(requests.__contains__, filter(reqs.__contains__, due))
         due = list(filter(scheduled.__contains__, known))
         rows = pool.rows(due)
-        order = np.argsort(rows)  # in row order: reproducible
+        order = rows.argsort()  # in row order: reproducible
         due, rows = list(map(due.__getitem__, order.tolist())), rows[order]
         recs = values(reqs, due)
         assert not integrity.CHECK or all(
@@ -347,8 +344,8 @@ class BlockReclaimer:
         # switch when that completes, so it is planned on the settled state.
         ripe = pool.plan_due(rows)
         busy = np.fromiter(map(is_not, map(_MOVE_BATCH, recs), repeat(None)), bool)
-        self.counters.deferred_plans += int((ripe & busy).sum())
-        chosen = np.flatnonzero(ripe & ~busy)
+        self.counters.deferred_plans += int(np.add.reduce(ripe & busy))
+        chosen = (ripe & ~busy).nonzero()[0]
         pool.mark_rows(rows[chosen])
         chosen = chosen.tolist()
         rids = list(map(due.__getitem__, chosen))
@@ -370,7 +367,7 @@ class BlockReclaimer:
                 for x in map(self.block_pool.blocks.__getitem__, head[read].tolist())
             ],
             np.int64,
-            int(read.sum()),
+            int(np.add.reduce(read)),
         )
         if integrity.CHECK:  # past cached_upto: neither shared nor cached
             for rid, h, n in zip(
@@ -394,7 +391,7 @@ class BlockReclaimer:
             threshold=self.threshold,
         )
         plan = None
-        if is_cached.any():
+        if np.logical_or.reduce(is_cached):
             plan = plan_around_cache(cached=is_cached, **common)
             # Fresh blocks come back as sources within a step or two; keep one
             # block per scheduled request for the next step's tokens. With
@@ -451,8 +448,8 @@ class BlockReclaimer:
         )
         # Blocks written, per request (its moves fill them one after another).
         blk = m.dst_slots // B
-        first = np.flatnonzero(np.concatenate([blk[:1] >= 0, blk[1:] != blk[:-1]]))
-        dst_ids, dst_at = blk[first], np.searchsorted(first, m.indptr)
+        first = np.concatenate([blk[:1] >= 0, blk[1:] != blk[:-1]]).nonzero()[0]
+        dst_ids, dst_at = blk[first], first.searchsorted(m.indptr)
         # A destination's content changes: it must leave the prefix cache
         # (sources keep theirs intact, so a later hit on them stays valid).
         # Only the cached ones: the plan read each planned block's hash, a
@@ -472,23 +469,24 @@ class BlockReclaimer:
         by_id = self.block_pool.blocks
         src_ids = plan.src_block_ids.astype(np.int64)
         src = list(map(by_id.__getitem__, src_ids.tolist()))
-        num_src, fresh_at = np.diff(plan.src_indptr), indptr_of(plan.num_fresh)
+        num_src = plan.src_indptr[1:] - plan.src_indptr[:-1]
+        fresh_at = indptr_of(plan.num_fresh)
         assert (plan.num_fresh <= num_src).all(), "a fresh block displaces no source"
-        num_moves = np.diff(m.indptr)
+        num_moves = m.indptr[1:] - m.indptr[:-1]
         moving = num_moves > 0
-        for k in np.flatnonzero(~moving).tolist():
+        for k in (~moving).nonzero()[0].tolist():
             # Every token already dead: free right away, nothing to evacuate into.
             r = plan.req_index[k]
             lo, hi = plan.src_indptr[k], plan.src_indptr[k + 1]
             self.release_blocks(rids[r], src[lo:hi])
             self.block_pool.free_blocks(fresh[fresh_at[k] : fresh_at[k + 1]])
-        if not moving.any():
+        if not np.logical_or.reduce(moving):  # (.any(), .all(): 3 calls)
             return None
-        if not moving.all():  # the moving requests' parts only
+        if not np.logical_and.reduce(moving):  # the moving requests' parts only
             sel = np.repeat(moving, num_src)
             src_ids, src = src_ids[sel], list(compress(src, sel.tolist()))
             fresh = list(compress(fresh, np.repeat(moving, plan.num_fresh).tolist()))
-        num_dst = np.diff(dst_at)[moving]
+        num_dst = (dst_at[1:] - dst_at[:-1])[moving]
         assert (num_dst > 0).all(), "a request moves tokens into no block"
         req_index = plan.req_index[moving].tolist()
         out_rids = list(map(rids.__getitem__, req_index))
@@ -509,13 +507,13 @@ class BlockReclaimer:
             fresh=fresh,
             dst_indptr=indptr_of(num_dst),
             dst_ids=dst_ids,
-            index=dict(zip(out_rids, range(len(out_rids)))),
+            index=dict(zip(out_rids, range(len(out_rids)), strict=True)),
         )
         _set_batch(map(recs.__getitem__, req_index), batch_id)
         if fresh:  # cached sources come first in a plan around the cache
             self._swap_in(moves, rows[req_index])
         # Sources are never destinations: their hashes are still the plan's.
-        evacuated = int(is_cached[src_ids].sum())
+        evacuated = int(np.add.reduce(is_cached[src_ids]))
         assert not integrity.CHECK or evacuated == sum(
             b.block_hash is not None for b in src
         ), "a source's hash changed since the plan read it"

@@ -271,7 +271,8 @@ class VTokenScheduler:
         self.pool.apply_moves(
             batch.req_ids, batch.indptr, batch.idx, batch.dst_slots, keep=keep
         )
-        self.counters.moved_tokens += int(np.diff(batch.indptr)[keep].sum())
+        moved = batch.indptr[1:] - batch.indptr[:-1]
+        self.counters.moved_tokens += int(np.add.reduce(moved[keep]))
         self.reclaimer.release_sources(moves, recs, keep)
 
     def on_preempt(self, req: Request) -> None:
