@@ -714,7 +714,7 @@ def test_append_read_refuses_too_few_slots_and_changes_nothing():
             rows, np.array([2]), np.array([3]), np.array([14, 15]),
             np.array([True]), False, pool._a.start, pool._a.cap,
             *[pool._a.cols[c] for c in ("n_tokens", "n_slotted", "n_live", "n_listed")],
-            pool._slot, pool._a.data["live"], pool._listed, pool.block_live, B,
+            pool._slot, pool._a.data["live"], pool._listed, pool.block_live, pool.shift,
         )  # fmt: skip
     assert_same(snapshot(pool, "a"), before)
 
@@ -736,7 +736,8 @@ def test_append_read_refuses_arrays_that_are_not_one_a_row(monkeypatch):
             pool._k.append_read(
                 rows, np.array(computed), np.array(counts), np.array([14, 21]),
                 np.array(scored), False, pool._a.start, pool._a.cap, *cols,
-                pool._slot, pool._a.data["live"], pool._listed, pool.block_live, B,
+                pool._slot, pool._a.data["live"], pool._listed, pool.block_live,
+                pool.shift,
             )  # fmt: skip
     assert_same(snapshot(pool, "a"), before[0])
     assert_same(snapshot(pool, "b"), before[1])
@@ -754,7 +755,7 @@ def test_append_rows_kernel_refuses_a_short_region_and_changes_nothing():
         rows, np.array([1, short]), np.arange(40, 41 + short), pool._a.start,
         pool._a.cap,
         *[pool._a.cols[c] for c in ("n_tokens", "n_slotted", "n_live", "n_listed")],
-        pool._slot, pool._a.data["live"], pool._listed, pool.block_live, B,
+        pool._slot, pool._a.data["live"], pool._listed, pool.block_live, pool.shift,
     )  # fmt: skip
     assert born == -1
     assert_same(snapshot(pool, "a"), before[0])

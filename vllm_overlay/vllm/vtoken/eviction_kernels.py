@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from vllm.vtoken.policies.selection_kernels import _FEW, _before
-from vllm.vtoken.table_kernels import kill_rows, listed_live, log2
+from vllm.vtoken.table_kernels import kill_rows, listed_live
 
 _i64, _i32, _u64, _f32, _f64, _b1 = (
     numba.int64[::1],
@@ -105,7 +105,7 @@ def _unimportance(score, age, window, seen_at):
 def evict_lowest(
     rows, want, attended, seeds, key_kind, recent, sinks,
     start, n_tokens, n_slotted, n_live, n_listed, listed, live, slot, block_live,
-    block_size, keep_dead,
+    shift, keep_dead,
     score_rows, score_start, score_cap, acc, rule, cand, cand_end, cand_keys,
     window, age_rows, age_start, born, age_step,
 ):  # fmt: skip
@@ -266,5 +266,5 @@ def evict_lowest(
     for i in range(num):
         indptr[i + 1] = indptr[i] + counts[i]
     kill_rows(rows, indptr, out, start, n_live, n_listed, slot, live, listed,
-              block_live, log2(block_size), keep_dead)  # fmt: skip
+              block_live, shift, keep_dead)  # fmt: skip
     return counts, out[:m]

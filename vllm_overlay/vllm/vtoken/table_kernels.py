@@ -13,6 +13,10 @@ Signatures are explicit, so the kernels are compiled when this module is
 imported (or loaded from numba's cache beside it) and never in a step; an
 argument of another dtype or layout is a TypeError, not a recompile. The
 callers (token_table.py) own the checks: these assume valid, distinct rows.
+Blocks are of 1 << `shift` slots (arena.block_shift, the pool's): the loops
+find a slot's block by a shift, since a division a row or token (the block
+size is no constant to the compiler) cost slot_spans most of its pass
+(1,024 rows, by hand: ~13 -> ~3 us).
 """
 
 from __future__ import annotations
@@ -79,18 +83,6 @@ def live_tokens(rows, start, n_live, n_listed, n_slotted, listed, live, slot):
             to_seg[j], to_slot[j] = i, at[to_idx[j]]
         m += k
     return seg[:m], idx[:m], out[:m]
-
-
-@numba.njit(inline="always")
-def log2(block_size):
-    """The shift of a block size, a power of two (arena.block_shift). The
-    loops find a slot's block by a shift: a division per row or token
-    (block_size is not a constant to the compiler) cost slot_spans most of
-    its pass (1,024 rows, by hand: ~13 -> ~3 us)."""
-    shift = 0
-    while (1 << shift) < block_size:
-        shift += 1
-    return shift
 
 
 @numba.njit(inline="always")
@@ -171,7 +163,7 @@ def slot_row(
 @numba.njit(numba.int64(*[_i64] * 9, _i32, _b1, _i32, _i32, numba.int64), **_jit)
 def append_rows(
     rows, counts, slots, start, cap, n_tokens, n_slotted, n_live, n_listed,
-    slot, live, listed, block_live, block_size,
+    slot, live, listed, block_live, shift,
 ):  # fmt: skip
     """Row i takes the next counts[i] of `slots` (TokenTablePool.append_rows).
     Tokens never slotted before are born live and listed last; re-slotted
@@ -193,7 +185,6 @@ def append_rows(
     if short:
         return -1
     k = total = 0
-    shift = log2(block_size)
     for i in range(rows.size):
         r = rows[i]
         total += slot_row(
@@ -275,7 +266,7 @@ def kill_rows(
 )
 def evict_rows(
     rows, indptr, idx, start, n_live, n_listed, slot, live, listed, block_live,
-    block_size, keep_dead,
+    shift, keep_dead,
 ):  # fmt: skip
     """Row i's tokens idx[indptr[i]:indptr[i + 1]] die (TokenTablePool.
     evict_rows): bits cleared, blocks uncounted, live lists as kill_rows
@@ -287,7 +278,7 @@ def evict_rows(
             if not live[base + idx[j]]:
                 return j
     kill_rows(rows, indptr, idx, start, n_live, n_listed, slot, live, listed,
-              block_live, log2(block_size), keep_dead)  # fmt: skip
+              block_live, shift, keep_dead)  # fmt: skip
     return -1
 
 
@@ -300,7 +291,7 @@ def evict_rows(
 )  # fmt: skip
 def move_rows(
     rows, keep, indptr, idx, dst, start, n_slotted, slot, live, block_live,
-    block_size, num_slots,
+    shift, num_slots,
 ):  # fmt: skip
     """A move batch lands (TokenTablePool.apply_moves): for each i kept
     (rows[i] >= 0, keep[i], row slotted), token idx[j] of row rows[i] takes
@@ -318,7 +309,6 @@ def move_rows(
             for j in range(indptr[i], indptr[i + 1]):
                 if not (0 <= idx[j] < n_slotted[r] and 0 <= dst[j] < num_slots):
                     return j
-    shift = log2(block_size)
     for i in range(rows.size):
         r = rows[i]
         if r < 0 or not keep[i] or n_slotted[r] == 0:
@@ -339,14 +329,16 @@ def move_rows(
     ),
     **_jit,
 )
-def emptied_blocks(rows, seg, idx, start, n_slotted, slot, block_live, B, num_blocks):
+def emptied_blocks(
+    rows, seg, idx, start, n_slotted, slot, block_live, shift, num_blocks
+):  # fmt: skip
     """(seg, blk, entry): the full blocks left without a live token holding
     tokens idx[j] of rows[seg[j]] (just evicted), each (seg, block) once,
     sorted by seg then block (BlockReclaimer.free_empty_blocks); `entry`:
     where one of those tokens was written in the positional list (idx // B),
     the block's entry unless compaction moved the token there."""
     keys, at = np.empty(idx.size, np.int64), np.empty(idx.size, np.int64)
-    n, shift = 0, log2(B)
+    n = 0
     for j in range(idx.size):
         r = rows[seg[j]]
         if idx[j] >> shift < n_slotted[r] >> shift:  # a full block: written
@@ -439,7 +431,7 @@ HITS, ROOM, DEAD_QUERY = 1, 2, 4
 def append_read(
     rows, computed, counts, slots, scored, with_hits,
     start, cap, n_tokens, n_slotted, n_live, n_listed, slot, live, listed,
-    block_live, block_size,
+    block_live, shift,
 ):  # fmt: skip
     """The worker's step on its tables, one pass (VTokenWorker.prepare_attention):
     row i takes its prefix-cache hits (tokens [n_slotted, computed[i]), listed
@@ -474,7 +466,6 @@ def append_read(
     if status:
         return status, 0, np.zeros(R, np.bool_), empty, empty, empty
     k = new = 0
-    shift = log2(block_size)
     for i in range(R):  # append_rows, the hits first
         r = rows[i]
         n = max(computed[i] - n_slotted[r], 0) + counts[i]
@@ -510,7 +501,7 @@ def append_read(
     ),
     **_jit,
 )
-def slot_spans(rows, take, n_slotted, n_tokens, block_size):
+def slot_spans(rows, take, n_slotted, n_tokens, shift):
     """The scheduler's step, before slotting (VTokenScheduler._sync_slots):
     row i slots tokens [n_slotted, n_slotted + take[i]). Returns (resumed,
     fresh, need, first, end): `resumed` if a row re-slots known tokens (the
@@ -519,7 +510,7 @@ def slot_spans(rows, take, n_slotted, n_tokens, block_size):
     `need` whose new tokens reach past their tail block (the block of their
     last slotted token), the entries [first, end) of their block lists that
     hold those tokens' blocks."""
-    R, B, shift = rows.size, block_size, log2(block_size)
+    R, B = rows.size, 1 << shift
     resumed = False
     n_fresh = n_need = 0
     for i in range(R):
@@ -545,12 +536,12 @@ def slot_spans(rows, take, n_slotted, n_tokens, block_size):
 
 
 @numba.njit(_i64(_i64, _i64, _i64, _i64, _i64, _i32, numba.int64), **_jit)
-def positional_slots(rows, take, ids, start, n_slotted, slot, block_size):
+def positional_slots(rows, take, ids, start, n_slotted, slot, shift):
     """The slots of row i's tokens [n_slotted, n_slotted + take[i]), flat:
     in its tail block (the block of its last slotted token, which nothing
     frees or moves) while they fit, then in blocks `ids` (slot_spans' entries
     of each row's block list, row by row)."""
-    B, shift, total = block_size, log2(block_size), 0
+    B, total = 1 << shift, 0
     for i in range(rows.size):
         total += take[i]
     out = np.empty(total, np.int64)

@@ -70,8 +70,6 @@ class TokenTablePool:
         self, num_blocks: int, block_size: int, positional_lists: bool = False
     ) -> None:
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
-        # A power of two (raises otherwise): the kernels shift (table_kernels.log2).
-        block_shift(block_size)
         # Compiled batch passes; imported here, so that numba loads (and its
         # kernels compile, or come from its cache) only with vToken on.
         from vllm.vtoken import table_kernels
@@ -79,6 +77,9 @@ class TokenTablePool:
         self._k = table_kernels
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
+        # A power of two (raises otherwise): the kernels find a slot's block
+        # by this shift (table_kernels.py).
+        self.shift = block_shift(self.block_size)
         self.num_slots = self.num_blocks * self.block_size
         self.block_live = np.zeros(self.num_blocks, dtype=np.int32)
         # Per row: tokens known (ever slotted), slotted ([0, n_slotted) have
@@ -201,7 +202,7 @@ class TokenTablePool:
             return self._k.append_rows(
                 rows, counts, s, self._a.start, self._a.cap, c["n_tokens"],
                 c["n_slotted"], c["n_live"], c["n_listed"], a["slot"], a["live"],
-                a["listed"], self.block_live, self.block_size,
+                a["listed"], self.block_live, self.shift,
             )  # fmt: skip
 
         born = run()
@@ -231,7 +232,7 @@ class TokenTablePool:
                 rows, computed, counts, s, scored, with_hits, self._a.start,
                 self._a.cap, c["n_tokens"], c["n_slotted"], c["n_live"],
                 c["n_listed"], a["slot"], a["live"], a["listed"],
-                self.block_live, self.block_size,
+                self.block_live, self.shift,
             )  # fmt: skip
 
         status, new, writes, kv_indptr, idx, kv = run(False, slots)
@@ -260,16 +261,14 @@ class TokenTablePool:
         rows[i] slotting take[i] more tokens (int64 [R] each;
         table_kernels.slot_spans)."""
         c = self._a.cols
-        return self._k.slot_spans(
-            rows, take, c["n_slotted"], c["n_tokens"], self.block_size
-        )
+        return self._k.slot_spans(rows, take, c["n_slotted"], c["n_tokens"], self.shift)
 
     def positional_slots(self, rows, take, ids) -> np.ndarray:
         """int64: the positional slots of rows[i]'s next take[i] tokens, in
         its tail block, then in blocks `ids` (table_kernels.positional_slots)."""
         return self._k.positional_slots(
             rows, take, ids, self._a.start, self._a.cols["n_slotted"],
-            self._a.data["slot"], self.block_size,
+            self._a.data["slot"], self.shift,
         )  # fmt: skip
 
     def _check_append(self, rows, counts, slots) -> None:
@@ -307,7 +306,7 @@ class TokenTablePool:
         return self._k.emptied_blocks(
             np.asarray(rows, np.int64), np.asarray(seg, np.int64),
             np.asarray(idx, np.int64), self._a.start, self._a.cols["n_slotted"],
-            self._a.data["slot"], self.block_live, self.block_size, self.num_blocks,
+            self._a.data["slot"], self.block_live, self.shift, self.num_blocks,
         )  # fmt: skip
 
     def read_walk(self, rows: np.ndarray, computed: np.ndarray):
@@ -338,7 +337,7 @@ class TokenTablePool:
         a, c = self._a.data, self._a.cols
         bad = self._k.evict_rows(
             rows, indptr, i, self._a.start, c["n_live"], c["n_listed"],
-            a["slot"], a["live"], a["listed"], self.block_live, self.block_size,
+            a["slot"], a["live"], a["listed"], self.block_live, self.shift,
             c["keep_dead"],
         )  # fmt: skip
         assert bad < 0, f"token {i[bad]} (entry {bad} of idx) is already dead"
@@ -370,7 +369,7 @@ class TokenTablePool:
             ek.KEYS[rule.key], int(rule.recent), int(rule.sinks),
             self._a.start, c["n_tokens"], c["n_slotted"], c["n_live"],
             c["n_listed"], a["listed"], a["live"], a["slot"], self.block_live,
-            self.block_size, c["keep_dead"], s_rows, s_start, s_cap, acc, *cand,
+            self.shift, c["keep_dead"], s_rows, s_start, s_cap, acc, *cand,
             int(rule.window), a_rows, a_start, born, a_step,
         )  # fmt: skip
         self._total_live -= idx.size
@@ -430,7 +429,7 @@ class TokenTablePool:
         a, c = self._a.data, self._a.cols
         bad = self._k.move_rows(
             row, keep, indptr, i, ns, self._a.start, c["n_slotted"], a["slot"],
-            a["live"], self.block_live, self.block_size, self.num_slots,
+            a["live"], self.block_live, self.shift, self.num_slots,
         )  # fmt: skip
         assert bad < 0, (
             "apply_moves: indptr decreases"
