@@ -323,13 +323,15 @@ def count_hook_calls() -> None:
             if first:
                 PROBE_NS["cold"] += probe()
                 PROBE_NS["warm"] += probe()
-            sys.setprofile(hook)
+            # The tracer first and off last: the profiler sees no settrace
+            # call (the counts stay those of the hooks alone).
             sys.settrace(trace)
+            sys.setprofile(hook)
             try:
                 return fn(*args, **kwargs)
             finally:
-                sys.settrace(None)
                 sys.setprofile(None)
+                sys.settrace(None)
 
         return counting
 

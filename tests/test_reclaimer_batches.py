@@ -260,13 +260,13 @@ def counted(run) -> tuple[tuple[int, int], object]:
     def trace(frame, event, arg):
         return line if "/vllm/vtoken/" in frame.f_code.co_filename else None
 
+    sys.settrace(trace)  # first, and off last: the profiler does not see it
     sys.setprofile(hook)
-    sys.settrace(trace)
     try:
         out = run()
     finally:
-        sys.settrace(None)
         sys.setprofile(None)
+        sys.settrace(None)
     return (calls, lines), out
 
 
