@@ -200,9 +200,10 @@ def test_an_evacuation_puts_each_fresh_block_where_its_own_source_was():
     assert vt.reclaimer.blocks.find("C", [fresh_c, ids["C"][1]]) == [1]
 
 
-def planned_and_acked_calls(n: int, caching: bool) -> tuple[int, int]:
-    """The Python and C calls of one plan of n requests (each with a block's
-    worth of holes in two blocks) and of its acknowledgement."""
+def planned_and_acked_calls(n: int, caching: bool) -> tuple[tuple, tuple]:
+    """The (Python and C calls, overlay lines) of one plan of n requests
+    (each with a block's worth of holes in two blocks) and of its
+    acknowledgement (`counted`)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -277,7 +278,8 @@ def test_a_plan_and_its_ack_make_as_many_calls_for_16_requests_as_for_4(
     one batch pass: no call, nor line of the overlay, per request (DESIGN.md
     §7.1). Without prefix
     caching: a cached block's reference count and hash are read from vLLM's
-    object, a property call per cached block, by design."""
+    object, a property call per cached head block a plan may take, by
+    design."""
     from vllm.vtoken import integrity
 
     monkeypatch.setattr(integrity, "CHECK", False)  # the deep checks loop

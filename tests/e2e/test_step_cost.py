@@ -20,7 +20,8 @@ from tests.e2e.conftest import run_engine
 pytestmark = pytest.mark.e2e
 
 
-def calls_per_step(policy: str, n: int) -> tuple[float, float]:
+def counts_per_step(policy: str, n: int) -> tuple[float, float]:
+    """(calls, lines) a steady step of `policy` at n running requests."""
     spec = {
         "engine": {
             "kv_eviction_policy": policy,
@@ -50,6 +51,6 @@ def calls_per_step(policy: str, n: int) -> tuple[float, float]:
 # Random's draws. StreamingLLM's is a subset of Random's.
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "scissorhands", "random"])
 def test_the_hooks_make_as_many_calls_a_step_at_16_requests_as_at_4(engine_dir, policy):
-    few, many = calls_per_step(policy, 4), calls_per_step(policy, 16)
+    few, many = counts_per_step(policy, 4), counts_per_step(policy, 16)
     assert min(few) > 0
     assert many == few  # calls, lines

@@ -189,8 +189,10 @@ def plan_around_cache(
     ids, cached = np.asarray(block_ids), np.asarray(cached, dtype=bool)
     live = np.asarray(block_live, dtype=np.int64)
     assert live.shape == ids.shape == cached.shape, (ids.shape, cached.shape)
-    if integrity.CHECK:
+    if integrity.CHECK:  # (the kernel reads without bounds)
         _check_csr(indptr, ids.size)
+        assert ids.ndim == 1, ids.shape
+        assert live.size == 0 or (0 <= live.min() and live.max() <= block_size)
     from vllm.vtoken.planner_kernels import plan_cached  # numba: vToken on only
 
     req_index, src_indptr, src, dst_indptr, dst, num_fresh = plan_cached(

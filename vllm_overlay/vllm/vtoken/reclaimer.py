@@ -167,7 +167,7 @@ class BlockReclaimer:
         freed, nulled = self.blocks.null_at_many(
             rids, rows, seg[order], entry[order], blk[order], self.block_pool.null_block
         )
-        held = np.flatnonzero(nulled)
+        held = nulled.nonzero()[0]
         if held.size:  # distinct requests: one add
             pool.add_nulls(rows[held], nulled[held])
         self._free(freed)
@@ -359,7 +359,8 @@ class BlockReclaimer:
         counts = attrs(values(requests, rids), _COMPUTED) // B
         ids, num_heads = self.blocks.planned(rows[chosen], counts, self._caching)
         head = ids[ranges(indptr_of(counts)[:-1], num_heads)]
-        code = np.full(head.size, 2, np.int64)
+        code = np.empty(head.size, np.int64)  # (np.full: a Python call)
+        code.fill(2)
         read = (head != self._null_id) & (self.pool.block_live[head] < B)
         code[read] = np.fromiter(
             [
@@ -483,9 +484,9 @@ class BlockReclaimer:
         if not np.logical_or.reduce(moving):  # (.any(), .all(): 3 calls)
             return None
         if not np.logical_and.reduce(moving):  # the moving requests' parts only
-            sel = np.repeat(moving, num_src)
+            sel = moving.repeat(num_src)
             src_ids, src = src_ids[sel], list(compress(src, sel.tolist()))
-            fresh = list(compress(fresh, np.repeat(moving, plan.num_fresh).tolist()))
+            fresh = list(compress(fresh, moving.repeat(plan.num_fresh).tolist()))
         num_dst = (dst_at[1:] - dst_at[:-1])[moving]
         assert (num_dst > 0).all(), "a request moves tokens into no block"
         req_index = plan.req_index[moving].tolist()
@@ -531,11 +532,11 @@ class BlockReclaimer:
         batch alone. One pass for the batch, at the entries where the plan
         found the sources (src_at) a moment ago; `rows`: the batch's
         requests' Token Table rows, in its order."""
-        nf = np.diff(moves.fresh_indptr)
+        nf = moves.fresh_indptr[1:] - moves.fresh_indptr[:-1]
         at = ranges(moves.src_indptr[:-1], nf)
         rids = moves.batch.req_ids
         missing = self.blocks.replace_at_many(
-            rids, rows, np.repeat(np.arange(nf.size), nf),
+            rids, rows, np.arange(nf.size).repeat(nf),
             moves.src_at[at], moves.src_ids[at], moves.fresh,
         )  # fmt: skip
         if missing:  # the plan read the lists a moment ago: a broken mirror

@@ -335,7 +335,7 @@ def emptied_blocks(
     """(seg, blk, entry): the full blocks left without a live token holding
     tokens idx[j] of rows[seg[j]] (just evicted), each (seg, block) once,
     sorted by seg then block (BlockReclaimer.free_empty_blocks); `entry`:
-    where one of those tokens was written in the positional list (idx // B),
+    where one of those tokens was written in the positional list (idx >> shift),
     the block's entry unless compaction moved the token there."""
     keys, at = np.empty(idx.size, np.int64), np.empty(idx.size, np.int64)
     n = 0
