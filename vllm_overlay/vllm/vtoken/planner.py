@@ -126,6 +126,12 @@ def plan_blocks(
         indptr, ids.astype(np.int32, copy=False), live, prio,
         bool(prio.any()), block_size, _live_limit(block_size, threshold),
     )  # fmt: skip
+    fresh = np.zeros(req_index.size, np.int64)
+    return _plan_of(req_index, src_indptr, src, dst_indptr, dst, fresh)
+
+
+def _plan_of(req_index, src_indptr, src, dst_indptr, dst, num_fresh) -> BlockPlan:
+    """The BlockPlan of a planner kernel's arrays (none planned: empty)."""
     if req_index.size == 0:
         return _empty_plan()
     return BlockPlan(
@@ -134,7 +140,7 @@ def plan_blocks(
         src_block_ids=src,
         dst_indptr=dst_indptr,
         dst_block_ids=dst,
-        num_fresh=np.zeros(req_index.size, np.int64),
+        num_fresh=num_fresh,
     )
 
 
@@ -195,17 +201,9 @@ def plan_around_cache(
         assert live.size == 0 or (0 <= live.min() and live.max() <= block_size)
     from vllm.vtoken.planner_kernels import plan_cached  # numba: vToken on only
 
-    req_index, src_indptr, src, dst_indptr, dst, num_fresh = plan_cached(
-        indptr, ids.astype(np.int32, copy=False), live, cached, block_size,
-        _live_limit(block_size, threshold),
+    return _plan_of(
+        *plan_cached(
+            indptr, ids.astype(np.int32, copy=False), live, cached, block_size,
+            _live_limit(block_size, threshold),
+        )
     )  # fmt: skip
-    if req_index.size == 0:
-        return _empty_plan()
-    return BlockPlan(
-        req_index=req_index,
-        src_indptr=src_indptr,
-        src_block_ids=src,
-        dst_indptr=dst_indptr,
-        dst_block_ids=dst,
-        num_fresh=num_fresh,
-    )

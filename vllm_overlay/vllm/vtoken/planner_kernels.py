@@ -80,6 +80,20 @@ def candidate_blocks(ids, counts, head_len, code, block_live, null_id, block_siz
     return req_indptr, out_ids[:k], live[:k], cached[:k], entry[:k], prio
 
 
+@numba.njit(nogil=True, inline="always")
+def _take_destinations(order, c, need, ids, live, B, dst_ids, d_out):
+    """Appends to dst_ids (from d_out) the blocks order[:c] in turn, as many
+    as `need` moved tokens take (their holes: B - live); returns d_out."""
+    t = 0
+    while need > 0 and t < c:
+        j = order[t]
+        dst_ids[d_out] = ids[j]
+        d_out += 1
+        need -= B - live[j]
+        t += 1
+    return d_out
+
+
 @numba.njit(
     numba.types.Tuple((_i64, _i64, _i32, _i64, _i32))(
         _i64, _i32, _i64, _i64, numba.boolean, numba.int64, numba.int64
@@ -137,13 +151,7 @@ def plan_in_place(indptr, ids, live, prio, has_prio, block_size, lim):
                 order[t] = cand[perm[t]]
         else:
             _sort_small(cand, key, c, B + 1, count, order)  # densest first
-        t = 0
-        while need > 0 and t < c:  # as many as the moved tokens need
-            j = order[t]
-            dst_ids[d_out] = ids[j]
-            d_out += 1
-            need -= B - live[j]
-            t += 1
+        d_out = _take_destinations(order, c, need, ids, live, B, dst_ids, d_out)
         req_index[k_out] = r
         k_out += 1
         src_ptr[k_out], dst_ptr[k_out] = s_out, d_out
@@ -228,12 +236,7 @@ def plan_cached(indptr, ids, live, cached, block_size, lim):
                 cand[c], key[c] = j, B - live[j]
                 c += 1
         _sort_small(cand, key, c, B + 1, count, u_order)  # densest first
-        t = 0
-        while need > 0 and t < c:  # as many as the moved tokens need
-            dst_ids[d_out] = ids[u_order[t]]
-            d_out += 1
-            need -= B - live[u_order[t]]
-            t += 1
+        d_out = _take_destinations(u_order, c, need, ids, live, B, dst_ids, d_out)
         req_index[k_out] = r
         num_fresh[k_out] = (max(m_c - holes, 0) + B - 1) // B
         k_out += 1
