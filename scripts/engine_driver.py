@@ -227,11 +227,9 @@ def counted(step, calls: dict[str, int]):
 
 
 # Python and C calls inside vToken's per-step hooks, both sides (the engine
-# core, scheduler and worker share this thread): the spec's "count_hook_calls".
-HOOK_CALLS = {"call": 0, "c_call": 0}
-# Lines of the overlay's code those hooks run: a loop that makes no call (a
-# `for` setting attributes, a comprehension) shows here only.
-HOOK_LINES = {"line": 0}
+# core, scheduler and worker share this thread), and the lines of the
+# overlay's code they run: the spec's "count_hook_calls" (`call_counter`).
+HOOK_COUNTS = {"call": 0, "c_call": 0, "line": 0}
 HOOKS = {
     "vllm.vtoken.scheduler:VTokenScheduler": ("begin_step", "end_step", "on_output"),
     "vllm.vtoken.worker:VTokenWorker": ("begin_step", "prepare_attention", "end_step"),
@@ -299,22 +297,42 @@ def time_hooks() -> None:
     _wrap_hooks(wrap)
 
 
-def count_hook_calls() -> None:
-    """Wraps vToken's step hooks so that the calls they make, and the lines
-    of the overlay they run, are counted, and the scheduler's begin_step so
-    that `probe` runs cold and warm before it."""
+def call_counter(into: dict[str, int]):
+    """A function run(fn, *args, **kwargs) that calls fn and counts into
+    `into` the Python and C calls made ("call", "c_call") and the lines of
+    the overlay's code run ("line"): a loop that makes no call (a `for`
+    setting attributes, a comprehension) shows in the lines only."""
 
     def hook(frame, event, arg) -> None:
-        if event in HOOK_CALLS:
-            HOOK_CALLS[event] += 1
+        if event in ("call", "c_call"):
+            into[event] += 1
 
     def line(frame, event, arg):
         if event == "line":
-            HOOK_LINES["line"] += 1
+            into["line"] += 1
         return line
 
     def trace(frame, event, arg):
         return line if "/vllm/vtoken/" in frame.f_code.co_filename else None
+
+    def run(fn, *args, **kwargs):
+        # The tracer first and off last: the profiler sees no settrace call.
+        sys.settrace(trace)
+        sys.setprofile(hook)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+            sys.settrace(None)
+
+    return run
+
+
+def count_hook_calls() -> None:
+    """Wraps vToken's step hooks so that the calls they make, and the lines
+    of the overlay they run, are counted (HOOK_COUNTS), and the scheduler's
+    begin_step so that `probe` runs cold and warm before it."""
+    run = call_counter(HOOK_COUNTS)
 
     def wrap(cls, name, fn):
         first = (cls.__name__, name) == ("VTokenScheduler", "begin_step")
@@ -323,15 +341,7 @@ def count_hook_calls() -> None:
             if first:
                 PROBE_NS["cold"] += probe()
                 PROBE_NS["warm"] += probe()
-            # The tracer first and off last: the profiler sees no settrace
-            # call (the counts stay those of the hooks alone).
-            sys.settrace(trace)
-            sys.setprofile(hook)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sys.setprofile(None)
-                sys.settrace(None)
+            return run(fn, *args, **kwargs)
 
         return counting
 
@@ -441,8 +451,8 @@ class Driver:
                 state["vtoken_ns"] = getattr(c, "scheduler_ns", 0) + getattr(
                     c, "worker_ns", 0
                 )
-                state["hook_calls"] = HOOK_CALLS["call"] + HOOK_CALLS["c_call"]
-                state["hook_lines"] = HOOK_LINES["line"]
+                state["hook_calls"] = HOOK_COUNTS["call"] + HOOK_COUNTS["c_call"]
+                state["hook_lines"] = HOOK_COUNTS["line"]
                 state["probe_cold_ns"] = PROBE_NS["cold"]
                 state["probe_warm_ns"] = PROBE_NS["warm"]
                 if HOOK_NS:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.e2e.conftest import engine_driver
 from tests.test_scheduler_side import B, setup
 
 
@@ -243,32 +244,11 @@ def planned_and_acked_calls(n: int, caching: bool) -> tuple[tuple, tuple]:
 
 def counted(run) -> tuple[tuple[int, int], object]:
     """((the Python and C calls `run()` makes, the lines of the overlay's
-    code it runs), what it returns). Lines count the loops that make no
-    call: a `for` over requests setting an attribute, a comprehension."""
-    import sys
-
-    calls = lines = 0
-
-    def hook(frame, event, arg) -> None:
-        nonlocal calls
-        calls += event in ("call", "c_call")
-
-    def line(frame, event, arg):
-        nonlocal lines
-        lines += event == "line"
-        return line
-
-    def trace(frame, event, arg):
-        return line if "/vllm/vtoken/" in frame.f_code.co_filename else None
-
-    sys.settrace(trace)  # first, and off last: the profiler does not see it
-    sys.setprofile(hook)
-    try:
-        out = run()
-    finally:
-        sys.setprofile(None)
-        sys.settrace(None)
-    return (calls, lines), out
+    code it runs), what it returns): engine_driver.call_counter, which the
+    engine-level count (tests/e2e/test_step_cost.py) uses too."""
+    counts = {"call": 0, "c_call": 0, "line": 0}
+    out = engine_driver.call_counter(counts)(run)
+    return (counts["call"] + counts["c_call"], counts["line"]), out
 
 
 def test_a_plan_and_its_ack_make_as_many_calls_for_16_requests_as_for_4(

@@ -276,18 +276,20 @@ class BlockIndex:
         rows, at, lists, blocks = self._settled(rids, rows, seg, hint, ids)
         one = not isinstance(new, list)
         found = at >= 0  # else not in the list (a displaced source)
-        missing = sorted(set(seg[~found].tolist()))
+        everywhere = bool(np.logical_and.reduce(found))  # (.all(): 3 calls)
+        missing = [] if everywhere else sorted(set(seg[~found].tolist()))
         if whole and missing:
             found = ~np.isin(seg, missing)
-        if not (found.all() and (at == hint).all()):  # some elsewhere or in none
+        if not (everywhere and (at == hint).all()):  # some elsewhere or in none
             keep = found.tolist()
             seg, at, rows = seg[found], at[found], rows[found]
             lists, blocks = list(compress(lists, keep)), list(compress(blocks, keep))
             new = new if one else list(compress(new, keep))
             order = np.lexsort((at, seg)).tolist()  # into list order
             seg, at, rows = seg[order], at[order], rows[order]
-            lists, blocks = [lists[j] for j in order], [blocks[j] for j in order]
-            new = new if one else [new[j] for j in order]
+            lists = list(map(lists.__getitem__, order))
+            blocks = list(map(blocks.__getitem__, order))
+            new = new if one else list(map(new.__getitem__, order))
         if unshared_only:  # a block another request holds stays
             done = np.fromiter(map(_REF_CNT, blocks), np.int64, len(blocks)) == 1
             if not done.all():
