@@ -313,3 +313,21 @@ def test_many_rows_growing_keep_their_entries(checked):
     )  # fmt: skip
     assert out == [last] and lists["r3"][-1] is NULL and nulled.sum() == 1
     index.check(list(lists))
+
+
+def test_release_busy_frees_only_the_batchs_own_blocks():
+    """BlockReclaimer._unbusy's kernel: a block the batch holds is busy no
+    more; one another batch took since (its part was dropped) stays busy;
+    a block listed twice, or in both arrays, is fine. As the NumPy it
+    replaced, on random cases."""
+    from vllm.vtoken.block_kernels import release_busy
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        busy = rng.integers(-1, 4, 64)
+        src, dst = rng.integers(0, 64, rng.integers(0, 12)), rng.integers(0, 64, 9)
+        want = busy.copy()
+        ids = np.concatenate([src, dst])
+        want[ids[want[ids] == 2]] = -1
+        release_busy(busy, src, dst, 2)
+        assert busy.tolist() == want.tolist()

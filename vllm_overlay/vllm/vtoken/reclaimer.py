@@ -81,13 +81,11 @@ class InFlightMoves:
         s, f = self.src_indptr, self.fresh_indptr
         return self.src[s[k] : s[k + 1]], self.fresh[f[k] : f[k + 1]]
 
-    def block_ids(self, k: int) -> np.ndarray:
-        """The ids of request k's sources and destinations: what its part
+    def block_ids(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of request k's (sources, destinations): what its part
         keeps busy while it is in flight."""
         s, d = self.src_indptr, self.dst_indptr
-        return np.concatenate(
-            [self.src_ids[s[k] : s[k + 1]], self.dst_ids[d[k] : d[k + 1]]]
-        )
+        return self.src_ids[s[k] : s[k + 1]], self.dst_ids[d[k] : d[k + 1]]
 
 
 def _set_batch(recs: Iterable[RequestState], batch_id: int | None) -> None:
@@ -106,10 +104,12 @@ class BlockReclaimer:
         threshold: float,
         counters: VTokenCounters,
     ) -> None:
-        from vllm.vtoken import planner_kernels  # numba: vToken on only, load it now
+        # numba: vToken on only, load them now
+        from vllm.vtoken import block_kernels, planner_kernels
 
         self._candidate_blocks = planner_kernels.candidate_blocks
         self._ack_entries = planner_kernels.ack_entries
+        self._release_busy = block_kernels.release_busy
         self.pool = pool
         self.block_size = pool.block_size
         self.block_pool = kv_cache_manager.block_pool
@@ -197,7 +197,7 @@ class BlockReclaimer:
     def pop_batch(self, batch_id: int) -> InFlightMoves:
         """An acknowledged batch: none of its blocks is busy any more."""
         moves = self._inflight.pop(batch_id)
-        self._unbusy(batch_id, np.concatenate([moves.src_ids, moves.dst_ids]))
+        self._unbusy(batch_id, moves.src_ids, moves.dst_ids)
         return moves
 
     def release_sources(
@@ -260,7 +260,7 @@ class BlockReclaimer:
         moves = self._inflight[rec.move_batch]
         k = moves.index[rid]
         src, fresh = moves.sources(k)
-        self._unbusy(rec.move_batch, moves.block_ids(k))
+        self._unbusy(rec.move_batch, *moves.block_ids(k))
         for new, source in zip(fresh, src, strict=False):
             (i,) = self.blocks.find(rid, [new.block_id])
             self.blocks.replace(rid, i, source)
@@ -290,7 +290,8 @@ class BlockReclaimer:
             for rid, k in moves.index.items():
                 rec = reqs.get(rid)
                 if rec is not None and rec.move_batch == batch_id:
-                    want.update(dict.fromkeys(moves.block_ids(k).tolist(), batch_id))
+                    ids = np.concatenate(moves.block_ids(k)).tolist()
+                    want.update(dict.fromkeys(ids, batch_id))
         busy = self.busy_blocks()
         got = dict(zip(busy.tolist(), self._busy[busy].tolist(), strict=True))
         assert got == want, f"busy blocks {got} are not the batches' {want}"
@@ -304,9 +305,9 @@ class BlockReclaimer:
         want = [sum(b.is_null for b in self.req_to_blocks[r]) for r in rids]
         assert got == want, f"freed blocks {got} are not the null entries {want}"
 
-    def _unbusy(self, batch_id: int, block_ids: np.ndarray) -> None:
-        mine = block_ids[self._busy[block_ids] == batch_id]
-        self._busy[mine] = -1
+    def _unbusy(self, batch_id: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """Blocks `src` and `dst` that batch_id keeps busy are busy no more."""
+        self._release_busy(self._busy, src, dst, batch_id)
 
     def plan(
         self,
