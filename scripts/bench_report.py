@@ -383,7 +383,8 @@ def scale_section(d: dict, img: str) -> list[str]:
                 else ""
             )
         )
-    return out + hooks_table(d) + ["", f"![scale]({img}/scale.png)", ""]
+    tables = split_table(d) + hooks_table(d)
+    return out + tables + ["", f"![scale]({img}/scale.png)", ""]
 
 
 # The hooks of a step, in the order they run (engine_driver.HOOKS).
@@ -395,6 +396,42 @@ HOOK_NAMES = {
     "VTokenWorker.end_step": "worker end_step",
     "VTokenScheduler.on_output": "on_output",
 }
+
+
+def split_table(d: dict) -> list[str]:
+    """Steps that plan compaction and steps that do not: the share that plan,
+    each kind's median host ms, and the mean over all steady steps (now /
+    the --baseline overlay's, when it ran)."""
+    rows = {k: r for k, r in d["rows"].items() if "plan_share" in r}
+    if not rows:
+        return []
+    before = any("before_host_mean_ms" in r for r in rows.values())
+    out = [
+        "",
+        "Steps that plan compaction and steps that do not: a step that plans "
+        "also copies the moved K/V and acknowledges the copy, so its host time "
+        "is about twice a quiet step's; where about half the steps plan, the "
+        "median above falls on either kind from run to run. Per kind the median "
+        "host ms a step, and the mean over every steady step (what throughput "
+        "pays)" + (", now / the baseline overlay's" if before else "") + ".",
+        "",
+        "| running | policy | steps that plan | host ms, quiet steps "
+        "| host ms, steps that plan | host ms, mean |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+
+    def cell(r: dict, key: str) -> str:
+        then = r.get(f"before_{key}")
+        return f"{r[key]:.2f}" + (f" / {then:.2f}" if then is not None else "")
+
+    for key, r in rows.items():
+        n, policy = key.split("/")
+        out.append(
+            f"| {int(n):,} | {policy} | {r['plan_share']:.0%} "
+            f"| {cell(r, 'host_ms_quiet')} | {cell(r, 'host_ms_plan')} "
+            f"| {cell(r, 'host_mean_ms')} |"
+        )
+    return out
 
 
 def hooks_table(d: dict) -> list[str]:

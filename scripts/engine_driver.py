@@ -451,6 +451,7 @@ class Driver:
                 state["vtoken_ns"] = getattr(c, "scheduler_ns", 0) + getattr(
                     c, "worker_ns", 0
                 )
+                state["plan_calls"] = getattr(c, "plan_calls", 0)
                 state["hook_calls"] = HOOK_COUNTS["call"] + HOOK_COUNTS["c_call"]
                 state["hook_lines"] = HOOK_COUNTS["line"]
                 state["probe_cold_ns"] = PROBE_NS["cold"]

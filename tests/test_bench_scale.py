@@ -48,6 +48,36 @@ def test_a_run_counts_its_steady_steps_only():
     assert bench.scale_run(run, 3, hooked=False)["host_ms"] == 0.0
 
 
+def test_a_run_splits_the_steps_that_plan_from_the_others():
+    # The steady steps grow vToken's host time by 4, 1, 5 and 2 ms; the
+    # driver's plan count grows in the first and third (they plan).
+    run = driver_run(
+        [50, 40, 30, 7, 9, 8, 8, 1],
+        [0, 1e6, 2e6, 4e6, 8e6, 9e6, 14e6, 16e6],
+        [1, 3, 3, 3, 3, 3, 3, 3],
+    )
+    for step, plans in zip(run["steps"], [0, 0, 0, 0, 1, 1, 2, 2], strict=True):
+        step["plan_calls"] = plans
+    got = bench.scale_run(run, 3)
+    assert got["host_ms"] == pytest.approx(3.0)  # the median of 4, 1, 5, 2
+    assert got["host_mean_ms"] == pytest.approx(3.0)
+    assert got["host_ms_plan"] == pytest.approx(4.5)  # 4 and 5
+    assert got["host_ms_quiet"] == pytest.approx(1.5)  # 1 and 2
+    assert got["plan_share"] == 0.5
+    # A run whose driver recorded no plan counts (an older one): no split.
+    for step in run["steps"]:
+        del step["plan_calls"]
+    assert "plan_share" not in bench.scale_run(run, 3)
+    # Over runs, medians, the baseline's too, of what every run has.
+    other = {**got, "host_mean_ms": 5.0, "host_ms_plan": 6.5, "plan_share": 0.25}
+    mine = [{**r, "counters": {"evicted_tokens": 1, "plan_calls": 2, "planner_ns": 0}}
+            for r in (got, other)]  # fmt: skip
+    row = bench.scale_row(mine, 8.0, [1], mine[:1], [1])
+    assert (row["host_mean_ms"], row["host_ms_plan"]) == (4.0, 5.5)
+    assert (row["plan_share"], row["host_ms_quiet"]) == (0.375, 1.5)
+    assert row["before_host_mean_ms"] == 3.0
+
+
 def test_a_row_is_the_median_of_its_runs():
     def one(step, host, planner_ns):
         r = {"step_ms": step, "host_ms": host}
@@ -96,6 +126,16 @@ def test_the_report_shows_the_probe_only_for_runs_that_timed_it():
     new = "\n".join(report.scale_section(d, "img"))
     assert "probe µs, cold / warm" in new
     assert "| 64 | h2o | 12.0 | 8.0 | 1.50 | 2.00 | 95 | 1.00 | 57 / 4.2 |" in new
+
+
+def test_the_report_splits_quiet_and_planning_steps_when_measured():
+    report, d, row = report_of_one_row()
+    assert "steps that plan" not in "\n".join(report.scale_section(d, "img"))
+    row |= {"plan_share": 0.52, "host_ms_quiet": 1.4, "host_ms_plan": 2.9}
+    row |= {"host_mean_ms": 2.2, "before_host_mean_ms": 2.5}
+    row |= {"before_host_ms_quiet": 1.5, "before_host_ms_plan": 3.1}
+    new = "\n".join(report.scale_section(d, "img"))
+    assert "| 64 | h2o | 52% | 1.40 / 1.50 | 2.90 / 3.10 | 2.20 / 2.50 |" in new
 
 
 def test_each_hooks_time_is_its_median_growth_over_the_steady_steps():
