@@ -93,12 +93,17 @@ def test_h2o_aggregate_max_is_a_different_heavy_hitter_choice(engine):
 
 def test_snapkv_scores_a_chunked_prompt_by_its_last_queries_only(engine):
     """A prompt prefilled in chunks (--max-num-batched-tokens 64) is scored by
-    its last `window` queries, as in one chunk: the same tokens die. Counting
-    every chunk's last rows scored the prompt by each chunk's tail."""
+    its last `window` queries, as in one chunk. Counting every chunk's last
+    rows scored the prompt by each chunk's tail too: several times the mass
+    (here 5 chunks), and other tokens kept. The two prefills round apart
+    (vLLM's CPU kernels take other paths for a chunk than for a whole prompt:
+    scores within ~2% of each other on a Xeon with AMX), so a near-tie may
+    fall either way: the same mass, the same victims but for a few."""
     workload = {
         "sharegpt": {"n": 3, "min_tokens": 300, "max_tokens": 300},
         "max_tokens": 8,
         "record_dead": True,
+        "record_scores": True,
     }
 
     def run(chunk: int) -> dict:
@@ -108,5 +113,10 @@ def test_snapkv_scores_a_chunked_prompt_by_its_last_queries_only(engine):
 
     one, chunked = run(1024), run(64)
     assert chunked["counters"]["evicted_tokens"] > 0
-    assert one["outputs"] == chunked["outputs"]
-    assert chunked["dead"] == one["dead"]
+    assert one["scores"].keys() == chunked["scores"].keys() == {"0", "1", "2"}
+    for rid, (_, scores) in one["scores"].items():
+        mass = sum(chunked["scores"][rid][1])
+        assert mass == pytest.approx(sum(scores), rel=0.05), rid
+        dead, other = set(one["dead"][rid]), set(chunked["dead"][rid])
+        assert len(dead) == len(other) > 0
+        assert len(dead & other) >= 0.98 * len(dead), (rid, dead ^ other)
