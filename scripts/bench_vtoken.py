@@ -662,7 +662,8 @@ def cmd_scale(args) -> dict:
     too) taking turns. The calls in the hooks are counted once per version, in
     a shorter run of their own (counting slows the hooks down); each hook's
     own time (`hooks_ms`, the runs' "time_hooks") says where the host time
-    goes."""
+    goes, and the steps that plan compaction and the quiet ones, apart, with
+    the mean over all, say what compaction's events cost (scale_run)."""
     out = {}
     for n in args.batches:
         tokens = n * (args.prompt_len + args.gen_len)
