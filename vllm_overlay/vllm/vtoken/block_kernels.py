@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compiled loops over BlockIndex's mirror of vLLM's positional lists (numba).
+"""Compiled loops over block ids (numba): BlockIndex's mirror of vLLM's
+positional lists, and BlockReclaimer's busy marks.
 
 Scheduler side, for block_index.py: recording a step's new blocks and finding
 blocks in their lists, each one loop over the batch, where a Python pass over
 each request's list (or a dict per list) cost the planner and the freeing
-per request. Imported only with vToken on; compiled at import, as
-table_kernels.py is. The callers own the checks: rows distinct and their
-regions large enough.
+per request; for reclaimer.py: an acknowledged batch's blocks made idle.
+Imported only with vToken on; compiled at import, as table_kernels.py is.
+The callers own the checks: rows distinct and their regions large enough.
 """
 
 from __future__ import annotations
