@@ -464,6 +464,41 @@ def test_a_list_keeping_its_dead_is_compacted_once_they_are_as_many_as_the_live(
     pool.check_integrity()
 
 
+def test_walks_of_lists_keeping_scattered_dead_copy_the_live_slotted_only():
+    """A list keeping its dead, victims scattered through it (a plug-in's,
+    or the lowest-scored): the walks (table_kernels.listed_live) list its
+    live slotted tokens only, and a row ending in dead entries or unslotted
+    tokens leaves nothing in the next row's keys."""
+    rng = np.random.default_rng(7)
+    pool = TokenTablePool(256, B)
+    want = {}
+    for r in range(12):
+        rid, n = f"r{r}", int(rng.integers(5, 40))
+        pool.add_request(rid, keep_dead=True)
+        pool.append(rid, np.arange(n) + 64 * r)
+        # Scattered victims, fewer than the live (the list keeps them), the
+        # last entries among them in every other row.
+        dead = rng.choice(n - 2, int(rng.integers(1, n // 3 + 1)), replace=False)
+        dead = np.union1d(dead, [n - 3, n - 2] if r % 2 else [])
+        pool.evict(rid, np.sort(dead).astype(np.int64))
+        want[rid] = np.setdiff1d(np.arange(n), dead)
+    rows = pool.rows(list(want))
+    assert (pool._n_listed[rows] > [len(w) for w in want.values()]).all()
+    seg, idx, slot = pool.live_tokens(rows)
+    np.testing.assert_array_equal(idx, np.concatenate(list(want.values())))
+    np.testing.assert_array_equal(
+        seg, np.repeat(np.arange(12), [len(w) for w in want.values()])
+    )
+    np.testing.assert_array_equal(slot, idx + 64 * seg)
+    pool.reset_slots("r3")  # preempted: live, but slotted again from 0
+    pool.append("r3", np.array([900, 901]))
+    want["r3"] = want["r3"][want["r3"] < 2]
+    counts, idx, slot, _ = pool.read_walk(rows, pool.num_slotted_rows(rows))
+    np.testing.assert_array_equal(counts, [len(w) for w in want.values()])
+    np.testing.assert_array_equal(idx, np.concatenate(list(want.values())))
+    pool.check_integrity()
+
+
 def test_a_live_list_lists_the_live_tokens_only_after_every_kill():
     """A kill takes its victims out of the list (a scan to the first, then
     a shift or a close-up), whatever their order in the batch, so a walk
