@@ -331,3 +331,38 @@ def test_release_busy_frees_only_the_batchs_own_blocks():
         want[ids[want[ids] == 2]] = -1
         release_busy(busy, src, dst, 2)
         assert busy.tolist() == want.tolist()
+
+
+def test_a_block_past_the_mirror_is_found_in_vllms_list(monkeypatch):
+    """A list longer than its mirror (changed unseen; none is known to):
+    a block past the mirror's end, at the entry given or with none, is
+    found there and replaced, never skipped (the acknowledgement frees every
+    source it is given: one skipped would be freed while still listed)."""
+    monkeypatch.setattr(integrity, "CHECK", False)
+    lists = {"a": [block(7), block(3), block(9), block(5)]}
+    index = Mirror(lists)
+    index.record(["a"], arr(0), arr(2), arr(7, 3))  # entries 2, 3 unseen
+    out, nulled = index.null_at_many(["a"], arr(0), arr(2), arr(9), NULL)
+    assert ids_of(out) == [9] and nulled.tolist() == [1]
+    assert ids_of(lists["a"]) == [7, 3, 0, 5]
+    index.check(["a"])  # mirrored whole again
+    lists["a"].append(block(6))  # past the mirror, no entry given
+    assert ids_of(index.null_out("a", [6], NULL, unshared_only=True)) == [6]
+    assert ids_of(lists["a"]) == [7, 3, 0, 5, 0]
+    index.check(["a"])
+
+
+def test_a_list_past_its_region_is_an_error_not_a_skip(monkeypatch):
+    """A block that even the list mirrored again cannot hold (past its
+    row's region) raises: skipping it would let the caller free a block
+    still listed. (A hint is where its tokens were written or the planner
+    found it: inside the region.)"""
+    monkeypatch.setattr(integrity, "CHECK", False)
+    lists = {"a": [block(7), block(3)]}
+    index = Mirror(lists)
+    index.record(["a"], arr(0), arr(2), arr(7, 3))
+    cap = int(index.pool.arena.cap[index.pool.rows(["a"])[0]])
+    lists["a"] += [block(100 + i) for i in range(cap)]  # past the region
+    with pytest.raises(RuntimeError, match="past what their rows hold"):
+        index.null_out("a", [100 + cap - 1], NULL, unshared_only=True)
+    assert ids_of(lists["a"][:2]) == [7, 3]  # nothing done

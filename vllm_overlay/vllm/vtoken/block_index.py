@@ -23,11 +23,14 @@ from entry 0, so its whole list is recorded again). Every other change to a
 list goes through here (`null_at_many`, `replace_at_many`, `null_out`,
 `replace`), which changes vLLM's list and the mirror together. Each block
 changed is checked against vLLM's object first: at the entry given (the
-usual case, which reads no mirror), or where the mirror says it is, and a
-list found changed there behind the mirror's back (none is known to change)
-is mirrored again from vLLM's list. Other entries of such a list are not
-checked outside integrity mode, where `check` compares every mirror with
-its list (after each `record`, before each plan, and each step).
+usual case, which reads no mirror), or where the mirror says it is; a
+block the mirror lacks is looked for at the entry given and past the
+mirror's end. A list found changed behind the mirror's back (none is known
+to change) is mirrored again from vLLM's list, whole; one still changed
+after that (longer than its row's region) is an error, never a block freed
+while listed. Other entries of such a list are not checked outside
+integrity mode, where `check` compares every mirror with its list (after
+each `record`, before each plan, and each step).
 """
 
 from __future__ import annotations
@@ -218,11 +221,11 @@ class BlockIndex:
         )
 
     def _resync(self, rid: str, row: int) -> None:
-        """Mirror `rid`'s list again from vLLM's objects (the entries
-        mirrored: their region holds them)."""
+        """Mirror `rid`'s list again from vLLM's objects, all of it that its
+        region holds (a block past the old mirror is then found)."""
         a = self._a
         blocks = self._lists[rid]
-        n = min(int(a.cols["n_entries"][row]), len(blocks))
+        n = min(len(blocks), int(a.cap[row]))
         a.data["block"][a.span(row, n)] = list(map(_ID, blocks[:n]))
         a.cols["n_entries"][row] = n
 
@@ -233,8 +236,9 @@ class BlockIndex:
         hints alone: every block there (the mirror, cold in a step, is then
         only written). Otherwise from the mirror (`_locate`), checked against
         vLLM's objects first: where a block found is not vLLM's there, or a
-        block not found is vLLM's at its hint, the list changed behind the
-        mirror's back (none is known to), and is mirrored again."""
+        block not found is vLLM's at its hint or past the mirror's end, the
+        list changed behind the mirror's back (none is known to), and is
+        mirrored again (RuntimeError if that does not settle it)."""
         seg_l = seg.tolist()
         lists = list(map(self._lists.__getitem__, map(rids.__getitem__, seg_l)))
         rows = rows[seg]
@@ -246,22 +250,33 @@ class BlockIndex:
                 held = None
             if held is not None and (held == ids).all():
                 return rows, hint, lists, blocks
-        for _ in range(2):
+        for attempt in range(2):
             at = self._locate(rows, hint, ids)
             at_l, hint_l = at.tolist(), hint.tolist()
+            mirrored = self._a.cols["n_entries"][rows].tolist()
             blocks = [
-                x[e] if e >= 0 else None for x, e in zip(lists, at_l, strict=True)
+                x[e] if 0 <= e < len(x) else None
+                for x, e in zip(lists, at_l, strict=True)
             ]
             stale = {}
             for j, (x, b) in enumerate(zip(lists, ids.tolist(), strict=True)):
                 e, h = at_l[j], hint_l[j]
-                if (e >= 0 and blocks[j].block_id != b) or (  # not vLLM's there
-                    e < 0 and 0 <= h < len(x) and x[h].block_id == b
-                ):  # or vLLM's at its hint, not mirrored
+                if e >= 0:  # not vLLM's there (or past vLLM's list)
+                    changed = blocks[j] is None or blocks[j].block_id != b
+                else:  # vLLM's at its hint, or past the mirror: not mirrored
+                    changed = (0 <= h < len(x) and x[h].block_id == b) or any(
+                        y.block_id == b for y in x[mirrored[j] :]
+                    )
+                if changed:
                     stale[rids[seg_l[j]]] = int(rows[j])
             if not stale:
                 break
             assert not integrity.CHECK, f"lists changed unseen: {sorted(stale)}"
+            if attempt:  # mirrored again, and still not: past the regions
+                raise RuntimeError(
+                    f"vToken: the block lists of {sorted(stale)} changed behind "
+                    "the mirror past what their rows hold"
+                )
             for rid, row in stale.items():
                 self._resync(rid, row)
         return rows, at, lists, blocks
