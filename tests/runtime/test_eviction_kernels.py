@@ -102,6 +102,58 @@ def test_the_rule_evicts_what_evict_batch_does(name, seed, budget, monkeypatch):
     a.check_integrity()
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("sinks", [0, 1, 3])
+@pytest.mark.parametrize("keep_dead", [True, False])
+def test_the_index_rule_evicts_what_evict_batch_does_on_either_kind_of_list(
+    seed, sinks, keep_dead, monkeypatch
+):
+    """StreamingLLM's rule ("index": the oldest candidates first) on lists
+    with no dead and on lists keeping dead entries at either end and in
+    between (kill_rows' two kinds of row), rows preempted and re-slotted
+    part way (an unslotted tail), attended short of the slotted, and budgets
+    under the sinks + window (protected tokens go too): it evicts what
+    evict_batch does, and leaves the same live tokens."""
+    monkeypatch.setattr(integrity, "CHECK", False)
+    cls = type(create_policy("streamingllm", 8, {}))
+    monkeypatch.setattr(cls, "scatters_victims", not keep_dead)
+    out, pools = [], []
+    for budget in (2, 5, 9):
+        policy = create_policy(
+            "streamingllm", max(budget, sinks + 1), {"num_sinks": sinks}
+        )
+        for pol in (policy, generic(policy)):
+            rng = np.random.default_rng(seed)
+            rt, pool, _ = runtime(pol, 4096)
+            rids, top = [f"r{i}" for i in range(24)], 0
+            for rid in rids:
+                n = int(rng.integers(1, 40))
+                rt.sync_new_tokens(rid, np.arange(top, top + n))
+                top += n
+                live = pool.live_idx(rid)
+                dead = live[rng.random(live.size) < rng.choice([0.0, 0.2, 0.6])]
+                if rng.random() < 0.3:  # the newest die too
+                    dead = np.union1d(dead, live[-int(rng.integers(1, 4)) :])
+                if dead.size and dead.size < live.size:
+                    pool.evict(rid, dead)
+                if rng.random() < 0.3:  # preempted, re-slotted part way
+                    pool.reset_slots(rid)
+                    k = int(rng.integers(0, n + 1))
+                    rt.sync_new_tokens(rid, np.arange(top, top + k))
+                    top += k
+            attended = np.array([pool.num_slotted(r) for r in rids])
+            attended -= rng.integers(0, 3, len(rids)) * (rng.random(len(rids)) < 0.3)
+            which, counts, idx = rt.enforce_budgets(rids, np.maximum(attended, 0))
+            out.append((which.tolist(), counts.tolist(), idx.tolist()))
+            pools.append(pool)
+        assert out[-2] == out[-1], budget
+        assert sum(out[-1][1]) > 0
+        a, b = pools[-2:]
+        for rid in a.request_ids():
+            assert a.live_idx(rid).tolist() == b.live_idx(rid).tolist()
+        a.check_integrity()
+
+
 def test_a_request_over_by_many_takes_the_sorted_path():
     # More than a few victims: the stable sort, not the scans, ties by age.
     policy = create_policy("h2o", 2, {"recent_ratio": 0.0})
