@@ -678,3 +678,72 @@ def test_a_block_emptied_of_tokens_moved_into_it_is_freed_where_it_is():
     assert kv.block_pool.get_num_free_blocks() == free + 1
     assert vt.pool.num_nulls_rows(vt.pool.rows(["A"])).tolist() == [2]
     vt.check_integrity()
+
+
+def test_a_request_resumed_with_dead_tokens_is_planned_once_slotted_on_both_sides():
+    """A resumed request recomputing a block's worth of dead tokens is due at
+    once (its cached prompt blocks hold them), but its worker resets its row
+    at the step's start, before the batch's copy lands, and would skip the
+    switch: its tokens would stay in the sources the ack frees. So it is
+    planned the step after, and both sides keep the same live slots, none
+    in a freed block."""
+    from tests.runtime.test_messages import cpu_worker
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, req = setup("vtoken", caching=True)
+    worker, _ = cpu_worker(num_blocks=16, block_size=B)
+
+    def engine_step(count, running, resumed=(), hits=None):
+        """One step as the engine runs it: the scheduler's hooks, the CPU
+        worker's on the message (the block table vLLM sends), the output."""
+        vt.begin_step(running)
+        computed = req.num_computed_tokens
+        assert kv.allocate_slots(req, count, *hits or ()) is not None
+        out = vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": count}))
+        ids = list(kv.get_block_ids("A")[0])
+        worker.begin_step(
+            SimpleNamespace(
+                finished_req_ids=set(),
+                preempted_req_ids=set(),
+                scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)),
+                vtoken=out,
+            )
+        )
+        pos = np.arange(computed, computed + count)
+        slots = (np.asarray(ids)[pos // B] * B + pos % B).astype(np.int64)
+        batch = SimpleNamespace(
+            num_reqs=1,
+            req_ids=["A"],
+            block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(np=slots))],
+            num_computed_tokens_cpu=np.array([computed], np.int32),
+            num_tokens_no_spec=np.array([req.num_tokens], np.int32),
+        )
+        reqs = {
+            "A": SimpleNamespace(
+                sampling_params=SimpleNamespace(extra_args=None), block_ids=[ids]
+            )
+        }
+        worker.prepare_attention(batch, reqs, np.array([count], np.int32))
+        acked = worker.end_step().acked_batches
+        req.num_computed_tokens += count
+        vt.on_output(VTokenWorkerOutput(acked_batches=acked))
+        req.append_output_token_ids(7)
+        got = worker.pool.live_slots("A").tolist()
+        assert got == vt.pool.live_slots("A").tolist()
+        assert all(kv.block_pool.blocks[s // B].ref_cnt > 0 for s in got)
+        return out
+
+    engine_step(12, running=[])  # the prefill: b0 b1 b2 cached
+    out = engine_step(1, running=[req])  # 1..6 die, b0 and b1 evacuated
+    assert out.moves is not None
+    vt.on_preempt(req)  # vLLM frees every block; the resume hits the prompt
+    kv.free(req)
+    req.num_computed_tokens = 0
+    blocks, hits = kv.get_computed_blocks(req)
+    assert hits > 0
+    req.num_computed_tokens = hits
+    new = req.num_tokens - hits
+    out = engine_step(new, running=[], resumed={"A"}, hits=(hits, blocks))
+    assert out is None or out.moves is None  # due, not planned yet
+    out = engine_step(1, running=[req])  # the next step plans it
+    assert out.moves is not None and out.moves.req_ids == ["A"]

@@ -197,12 +197,16 @@ class VTokenScheduler:
         """Slot this step's tokens, plan compaction, build the worker's message."""
         self._num_steps += 1
         self._freed_by_step.append(self._num_freed)
-        self._sync_slots(so.num_scheduled_tokens)
+        reslotting = self._sync_slots(so.num_scheduled_tokens)
         moves = None
-        if self.cfg.compaction and self._plan_due:
+        # Not a request re-slotting known tokens (resumed): its worker resets
+        # its row at the step's start, before the batch's copy lands, and
+        # skips the switch (move_rows); planned when slotted on both sides.
+        due = self._plan_due - reslotting if reslotting else self._plan_due
+        if self.cfg.compaction and due:
             t0 = time.perf_counter_ns()
             moves = self.reclaimer.plan(
-                self._plan_due, self._reqs, self._requests, so.num_scheduled_tokens
+                due, self._reqs, self._requests, so.num_scheduled_tokens
             )
             self.counters.planner_ns += time.perf_counter_ns() - t0
             self.counters.plan_calls += 1
@@ -324,13 +328,14 @@ class VTokenScheduler:
         rows = self.pool.rows_adding(rids, lambda i: self._register(reqs[i]))
         return reqs, rows, values(self.reclaimer.req_to_blocks, rids)
 
-    def _sync_slots(self, scheduled: dict[str, int]) -> None:
+    def _sync_slots(self, scheduled: dict[str, int]) -> frozenset[str]:
         """Give the scheduled requests' tokens [num_slotted, computed +
         scheduled) their positional slots, the batch at once: compiled
         passes, and vLLM's block objects read only for blocks past each
-        request's tail (one request in B at decode)."""
+        request's tail (one request in B at decode). Returns the requests
+        that re-slot known tokens (resumed), usually none."""
         if not scheduled:
-            return
+            return _NONE
         pool = self.pool
         rids = list(scheduled)
         reqs, rows, blocks = self._scheduled.get(rids, self._scheduled_rows)
@@ -362,6 +367,7 @@ class VTokenScheduler:
         self.runtime.sync_rows(rids, take, slots, rows)
         if need.size:
             self.reclaimer.blocks.record(rows[need], first, end, ids)
+        return _NONE
 
     def _check_tail_blocks(self, rows, take, blocks, slots) -> None:
         # The tail block's id is the last slotted token's: vLLM's lists agree.
@@ -374,9 +380,9 @@ class VTokenScheduler:
         ]
         assert slots.tolist() == want, "a tail block's id is not vLLM's"
 
-    def _sync_slots_general(self, rids, reqs, rows, blocks, scheduled) -> None:
+    def _sync_slots_general(self, rids, reqs, rows, blocks, scheduled) -> frozenset:
         """`_sync_slots` of a batch with a resumed request (preempted, so
-        recomputing known tokens, dead ones included)."""
+        recomputing known tokens, dead ones included); returns those."""
         B, pool = self.block_size, self.pool
         start, total = pool.num_slotted_rows(rows), pool.num_tokens_rows(rows)
         # Computed tokens are slotted ones, but where none are: a new or
@@ -389,7 +395,8 @@ class VTokenScheduler:
             "a scheduled request's computed tokens are not its slotted ones"
         )
         upto += scheduled
-        for i in ((start < total) & (upto > start)).nonzero()[0]:  # resumed
+        resumed = ((start < total) & (upto > start)).nonzero()[0].tolist()
+        for i in resumed:
             self._recompute_dead(rids[i], int(start[i]), int(upto[i]))
             if upto[i] <= total[i] and self._persistence:
                 # A chunk before the recompute's last: persistence scores skip
@@ -397,10 +404,11 @@ class VTokenScheduler:
                 # chunk, which reads every token) and the ages, which count it
                 # as one (ArrivalSteps.restart), agree with them.
                 self._stale[rids[i]] = self._num_steps
+        reslotting = frozenset(rids[i] for i in resumed)
         grow = upto > start
         if not grow.all():
             if not grow.any():
-                return
+                return reslotting
             rids = [r for r, g in zip(rids, grow.tolist(), strict=True) if g]
             rows, start, upto = rows[grow], start[grow], upto[grow]
         # Each request's blocks [first, last], as one flat list of block ids.
@@ -418,6 +426,7 @@ class VTokenScheduler:
         block_at = (nblocks.cumsum() - nblocks)[seg] + pos // B - first[seg]
         self.runtime.sync_rows(rids, counts, ids[block_at] * B + pos % B, rows)
         self.reclaimer.blocks.record(rows, first, last + 1, ids)
+        return reslotting
 
     def _register(self, req: Request) -> None:
         rid = req.request_id
@@ -471,6 +480,7 @@ class VTokenScheduler:
 _COMPUTED = attrgetter("num_computed_tokens")
 _NO_IDS = np.zeros(0, np.int64)
 _NO_LIMIT = np.zeros(0, np.int64)  # evict_running: every last output is in
+_NONE: frozenset[str] = frozenset()  # _sync_slots: none re-slots
 _PROMPT = attrgetter("num_prompt_tokens")
 _ALL_TOKENS = attrgetter("_all_token_ids")
 _REQ_ID = attrgetter("request_id")
