@@ -747,3 +747,79 @@ def test_a_request_resumed_with_dead_tokens_is_planned_once_slotted_on_both_side
     assert out is None or out.moves is None  # due, not planned yet
     out = engine_step(1, running=[req])  # the next step plans it
     assert out.moves is not None and out.moves.req_ids == ["A"]
+
+
+def resume(kv, vt, req, count=None):
+    """vLLM's resume of a preempted request: its prefix-cache hits, then
+    allocate_slots (which caches the full blocks) and the patched waiting
+    loop's `on_allocated`. Returns the hit tokens."""
+    blocks, hits = kv.get_computed_blocks(req)
+    count = req.num_tokens - hits if count is None else count
+    assert kv.allocate_slots(req, count, hits, blocks) is not None
+    vt.on_allocated(req, hits)
+    req.num_computed_tokens = hits
+    return hits
+
+
+def preempt(kv, vt, req):
+    vt.on_preempt(req)
+    kv.free(req)
+    req.num_computed_tokens = 0
+
+
+def test_a_resume_caches_none_of_what_it_recomputes_past_a_dead_token():
+    """A resume's recompute attends live tokens only, so the blocks
+    allocate_slots caches from the first dead token's block on hold KV no
+    model computed for their prefix: they leave the cache before another
+    request can hit them. Its hits on its own cached prompt (native KV)
+    stay cached; nothing later is cached."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, req = setup("naive", caching=True, budget=8, blocks=32)
+    step(kv, vt, req, 12, running=[])  # the prompt: blocks 0..2 cached
+    for _ in range(8):  # decodes with evictions
+        step(kv, vt, req, 1, running=[req])
+    first = int(vt.pool.dead_idx("A")[0])
+    preempt(kv, vt, req)
+    vt.begin_step([])
+    hits = resume(kv, vt, req)
+    assert hits > 0  # its own prompt
+    new = req.num_tokens - hits
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": new}))
+    req.num_computed_tokens += new
+    vt.on_output(VTokenWorkerOutput())
+    vt.check_integrity()
+    listed = kv.coordinator.single_type_managers[0].req_to_blocks["A"]
+    cached = [e for e, b in enumerate(listed) if b.block_hash is not None]
+    assert cached == list(range(hits // B))  # its hits, none recomputed
+    assert hits // B > first // B  # (some hit holds a dead token: kept)
+    assert cache_hits(kv, list(req.all_token_ids)) == hits
+
+
+def test_a_chunked_resume_caches_nothing_past_its_first_dead_token():
+    """Without hits, in chunks: the first chunk's allocation stops the
+    caching, so no later chunk (allocated as a running request) is cached:
+    a new request with the same prompt finds nothing past the dead token."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, req = setup("naive", caching=True)
+    step(kv, vt, req, 12, running=[])
+    step(kv, vt, req, 1, running=[req])  # tokens 1..6 die
+    assert vt.pool.dead_idx("A").tolist() == [1, 2, 3, 4, 5, 6]
+    preempt(kv, vt, req)
+    kv.reset_prefix_cache()  # no hit: every block recomputed
+    vt.begin_step([])
+    assert resume(kv, vt, req, count=4) == 0
+    running = []
+    for chunk in (4, 4):
+        if running:
+            vt.begin_step(running)
+            assert kv.allocate_slots(req, chunk) is not None
+        vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": chunk}))
+        req.num_computed_tokens += chunk
+        vt.on_output(VTokenWorkerOutput())
+        vt.check_integrity()
+        running = [req]
+    listed = kv.coordinator.single_type_managers[0].req_to_blocks["A"]
+    assert [b.block_hash for b in listed] == [None, None]
+    assert cache_hits(kv, list(range(100, 113))) == 0

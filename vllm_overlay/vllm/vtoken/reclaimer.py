@@ -144,6 +144,29 @@ class BlockReclaimer:
                 self.blocks.stop_caching(rid, self._num_cached_block[rid])
             self._num_cached_block[rid] = _NEVER
 
+    def stop_caching_resumed(self, rid: str, num_hits: int, keep: int) -> None:
+        """`stop_caching` of a resumed request with a dead token, right after
+        vLLM allocated (and cached) its resume: the recompute attends live
+        tokens only, so the blocks vLLM just cached from entry `keep` on (the
+        first dead token's block) hold KV no model computed for their prefix,
+        and leave the cache before any other request can hit them. Its
+        `num_hits` prefix-cache hits were cached before (native KV) and stay.
+        """
+        if rid not in self._num_cached_block:  # nothing full cached yet
+            self._num_cached_block[rid] = num_hits
+        cached = self._num_cached_block[rid]
+        if cached == _NEVER:
+            return
+        wrong = [
+            b.block_id
+            for b in self.req_to_blocks[rid][max(keep, num_hits) : cached]
+            if b.block_hash is not None
+        ]
+        if wrong:
+            self.block_pool.evict_blocks(set(wrong))
+        self._num_cached_block[rid] = max(min(cached, keep), num_hits)
+        self.stop_caching(rid)
+
     def free_empty_blocks(self, rids, seg, dead, rows=None) -> None:
         """Free the blocks whose last live token just died (Naive-Evict), for
         the batch at once: tokens dead[j] of request rids[seg[j]] died (int

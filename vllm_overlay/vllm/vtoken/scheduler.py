@@ -279,6 +279,23 @@ class VTokenScheduler:
         self.counters.moved_tokens += int(np.add.reduce(moved[keep]))
         self.reclaimer.release_sources(moves, recs, keep)
 
+    def on_allocated(self, req: Request, num_hit_tokens: int) -> None:
+        """After vLLM allocated a waiting request's blocks (caching the full
+        ones); `num_hit_tokens`: its prefix-cache hits. A resumed request
+        with a dead token recomputes without it: nothing from that token's
+        block on may be cached (BlockReclaimer.stop_caching_resumed); called
+        before the next waiting request looks for hits."""
+        rid = req.request_id
+        if rid not in self._caching or rid not in self._reqs:  # new: no dead
+            return
+        dead = self.pool.dead_idx(rid)
+        if dead.size:
+            keep = int(dead[0]) // self.block_size
+            self.reclaimer.stop_caching_resumed(
+                rid, num_hit_tokens // self.block_size, keep
+            )
+            self._caching.discard(rid)
+
     def on_preempt(self, req: Request) -> None:
         """Before vLLM frees a preempted request's blocks. Goes: the slots
         (its blocks are freed next), the scores (they restart with the slots),
