@@ -47,6 +47,18 @@ def test_a_request_brings_its_own_budget_policy_or_opt_out():
     assert parse({"kv_budget_tokens": MAX_LEN}).budget == MAX_LEN
 
 
+def test_a_request_setting_only_the_policy_keeps_the_engine_s_budget():
+    """The engine's budget, whatever start-up took (below a block, past
+    max_model_len: a warning), is a request's unless it sets its own: one
+    setting only the policy is not refused for a budget it never sent."""
+    for budget in (B - 8, MAX_LEN + 100):
+        for args in (None, {"kv_eviction_policy": "streamingllm"}):
+            got = parse(args, Cfg(budget=budget))
+            assert got.budget == budget and got.evicts
+        with pytest.raises(ValueError, match=r"must be in \[16, 2048\]"):
+            parse({"kv_budget_tokens": budget})
+
+
 @pytest.mark.parametrize(
     "args, cfg, message",
     [

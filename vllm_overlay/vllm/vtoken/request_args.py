@@ -117,7 +117,9 @@ def request_eviction(
             f"{BUDGET_KEY} must be an integer or {OPT_OUT!r}, got {budget!r}",
             parameter=BUDGET_KEY,
         )
-    if not block_size <= budget <= max_model_len:
+    # The bounds are a request's own; the engine's budget, inherited, was
+    # taken at start-up, as it is for a request that sets no key.
+    if BUDGET_KEY in args and not block_size <= budget <= max_model_len:
         raise VLLMValidationError(
             f"{BUDGET_KEY}={budget} must be in [{block_size}, {max_model_len}] "
             "(one KV block to max_model_len)",
