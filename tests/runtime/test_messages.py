@@ -134,3 +134,32 @@ def test_the_workers_tables_keep_dead_listed_by_the_requests_own_policy():
         worker._add(rid, requests)
     keep = worker.pool._a.cols["keep_dead"][worker.pool.rows(list(args))]
     assert keep.tolist() == [1, 0, 1]
+
+
+@pytest.mark.parametrize("how", ["finished", "preempted", "unscheduled", "running"])
+def test_copies_in_flight_are_waited_for_once_their_request_may_lose_its_blocks(
+    how, monkeypatch
+):
+    """A request with a copy in flight (a GPU side stream) that finished, was
+    preempted, or is not scheduled this step (preempted outside a step, by
+    the scheduler's reset_prefix_cache, which reports it nowhere): the
+    worker orders the step after its copies, whose blocks may be handed
+    out again; a request still scheduled needs no wait."""
+    worker, _ = cpu_worker(num_blocks=4, block_size=16)
+    waits = []
+    monkeypatch.setattr(worker.executor, "wait_all", lambda: waits.append(1))
+    none = np.zeros(0, np.int64)
+    worker._pending[7] = MoveBatch(
+        batch_id=7, req_ids=["a"], indptr=np.zeros(2, np.int64), idx=none,
+        src_slots=none, dst_slots=none,
+    )  # fmt: skip
+    worker.begin_step(
+        SimpleNamespace(
+            finished_req_ids={"a"} if how == "finished" else set(),
+            preempted_req_ids={"a"} if how == "preempted" else set(),
+            num_scheduled_tokens={} if how != "running" else {"a": 1},
+            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=[]),
+            vtoken=None,
+        )
+    )
+    assert waits == ([] if how == "running" else [1])

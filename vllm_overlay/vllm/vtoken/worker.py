@@ -166,7 +166,13 @@ class VTokenWorker:
         pool = self.pool
         pending_reqs = {r for b in self._pending.values() for r in b.req_ids}
         gone = so.finished_req_ids | (so.preempted_req_ids or set())
-        if pending_reqs & gone:
+        if pending_reqs and (
+            pending_reqs & gone
+            # or not scheduled: preempted outside a step (the scheduler's
+            # reset_prefix_cache(reset_running_requests=True)) is not in
+            # preempted_req_ids
+            or not pending_reqs <= so.num_scheduled_tokens.keys()
+        ):
             # Their blocks may be handed out again this step: copies first.
             self.executor.wait_all()
         done = [rid for rid in so.finished_req_ids if rid in pool]
