@@ -688,10 +688,14 @@ def test_a_request_resumed_with_dead_tokens_is_planned_once_slotted_on_both_side
     planned the step after, and both sides keep the same live slots, none
     in a freed block."""
     from tests.runtime.test_messages import cpu_worker
+    from vllm.vtoken import integrity
     from vllm.vtoken.messages import VTokenWorkerOutput
 
     kv, vt, req = setup("vtoken", caching=True)
-    worker, _ = cpu_worker(num_blocks=16, block_size=B)
+    # On the scheduler's config, as in one process: on_output compares the
+    # two sides' tables (integrity.check_worker).
+    worker, _ = cpu_worker(num_blocks=16, block_size=B, vtoken_config=vt.cfg)
+    assert integrity.worker_pool(vt.cfg) is worker.pool
 
     def engine_step(count, running, resumed=(), hits=None):
         """One step as the engine runs it: the scheduler's hooks, the CPU

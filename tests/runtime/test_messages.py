@@ -60,15 +60,17 @@ def test_received_arrays_are_the_workers_own_and_the_kernels_take_them():
     pool.check_integrity()
 
 
-def cpu_worker(num_blocks: int, block_size: int):
+def cpu_worker(num_blocks: int, block_size: int, vtoken_config=None):
     """A CPU `VTokenWorker` on a two-layer cache, built without an engine:
-    only the config fields its constructor reads."""
+    only the config fields its constructor reads (`vtoken_config`: its
+    scheduler's, as one process's engine shares it)."""
     import vllm.config  # noqa: F401  (before vtoken.config, which it imports)
     from vllm.vtoken.config import VTokenConfig
     from vllm.vtoken.worker import VTokenWorker
 
     config = SimpleNamespace(
-        vtoken_config=VTokenConfig(
+        vtoken_config=vtoken_config
+        or VTokenConfig(
             kv_eviction_policy="streamingllm",
             kv_budget_tokens=4,
             kv_eviction_config={"num_sinks": 1},
@@ -163,3 +165,49 @@ def test_copies_in_flight_are_waited_for_once_their_request_may_lose_its_blocks(
         )
     )
     assert waits == ([] if how == "running" else [1])
+
+
+def test_a_scheduler_finds_only_the_worker_built_on_its_own_config(monkeypatch):
+    """integrity.worker_pool pairs a scheduler with the worker built on the
+    same config object (one process: vLLM's UniProcExecutor); another
+    config, or one gone, finds none; the worker shares its pool only under
+    VTOKEN_CHECK_INTEGRITY."""
+    import gc
+
+    import vllm.config  # noqa: F401
+    from vllm.vtoken import integrity
+    from vllm.vtoken.config import VTokenConfig
+
+    def cfg():
+        return VTokenConfig(kv_eviction_policy="streamingllm", kv_budget_tokens=8)
+
+    monkeypatch.setattr(integrity, "CHECK", False)
+    mine = cfg()
+    cpu_worker(num_blocks=4, block_size=16, vtoken_config=mine)
+    assert integrity.worker_pool(mine) is None
+    monkeypatch.setattr(integrity, "CHECK", True)
+    worker, _ = cpu_worker(num_blocks=4, block_size=16, vtoken_config=mine)
+    assert integrity.worker_pool(mine) is worker.pool
+    assert integrity.worker_pool(cfg()) is None
+    del worker
+    gc.collect()
+    assert integrity.worker_pool(mine) is None
+
+
+def test_the_two_sides_tables_are_compared_token_by_token():
+    from vllm.vtoken import integrity
+
+    sched, worker = (TokenTablePool(num_blocks=4, block_size=4) for _ in range(2))
+    for pool in (sched, worker):
+        pool.add_request("a")
+        pool.append("a", np.arange(6))
+    worker.add_request("gone")  # only on one side: not compared
+    integrity.check_worker(sched, worker, ["a", "gone", "unknown"])
+    worker.evict("a", np.array([2]))
+    with pytest.raises(AssertionError, match="live tokens differ"):
+        integrity.check_worker(sched, worker, ["a"])
+    sched.evict("a", np.array([2]))
+    integrity.check_worker(sched, worker, ["a"])
+    worker.apply_moves(["a"], np.array([0, 1]), np.array([3]), np.array([9]))
+    with pytest.raises(AssertionError, match="reads live tokens from slots"):
+        integrity.check_worker(sched, worker, ["a"])

@@ -10,8 +10,48 @@ variable.
 """
 
 import os
+import weakref
 
 CHECK = os.environ.get("VTOKEN_CHECK_INTEGRITY", "0") == "1"
+
+# The worker's Token Table pool by the vToken config object it was built on
+# (id -> weakrefs to both). The scheduler and the worker share that object
+# only in one process (vLLM's UniProcExecutor: one rank), so a scheduler finds
+# its own worker here, and none across processes; kept under CHECK only.
+_WORKER_POOLS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def share_worker_pool(cfg, pool) -> None:
+    """The worker's pool, for `worker_pool(cfg)` in this process."""
+    _WORKER_POOLS[id(cfg)] = (weakref.ref(cfg), weakref.ref(pool))
+
+
+def worker_pool(cfg):
+    """The pool of the worker built on `cfg` in this process, or None."""
+    cfg_ref, pool_ref = _WORKER_POOLS.get(id(cfg), (lambda: None, None))
+    return pool_ref() if cfg_ref() is cfg else None
+
+
+def check_worker(pool, worker, req_ids) -> None:
+    """After a step's acknowledgements (VTokenScheduler.on_output), where
+    the two sides share a process: each of the step's requests still known
+    to both has the same live tokens, in the same slots, in the scheduler's
+    Token Table `pool` as in the worker's (`worker`), which the step's
+    attention read. (Every step's changes reach both: the dead lists, the
+    slots, the moves, acknowledged once the worker switched them.)"""
+    for rid in req_ids:
+        if rid not in pool or rid not in worker:
+            continue
+        got, want = worker.live_idx(rid), pool.live_idx(rid)
+        assert got.tolist() == want.tolist(), (
+            f"request {rid}: the worker's live tokens differ from the scheduler's"
+        )
+        got, want = worker.live_slots(rid), pool.live_slots(rid)
+        assert got.tolist() == want.tolist(), (
+            f"request {rid}: the worker reads live tokens from slots "
+            f"{got.tolist()[:8]}..., the scheduler holds them at "
+            f"{want.tolist()[:8]}..."
+        )
 
 
 def check_blocks(pool, block_pool, req_to_blocks, detached) -> None:

@@ -100,6 +100,7 @@ class VTokenScheduler:
         # and of holes (`pool.plan_due`; packing frees a block only with a
         # block's worth of holes, so at most about once per B evictions).
         self._recomputing: list[str] = []
+        self._step_rids: dict[str, int] | None = None  # the last step's
         self._caching: set[str] = set()
         self._plan_due: set[str] = set()
         # This step's evictions (request ids, counts, idx), for VTokenStep.
@@ -197,6 +198,7 @@ class VTokenScheduler:
         """Slot this step's tokens, plan compaction, build the worker's message."""
         self._num_steps += 1
         self._freed_by_step.append(self._num_freed)
+        self._step_rids = so.num_scheduled_tokens  # (integrity: check_worker)
         reslotting = self._sync_slots(so.num_scheduled_tokens)
         moves = None
         # Not a request re-slotting known tokens (resumed): its worker resets
@@ -260,6 +262,9 @@ class VTokenScheduler:
             self.apply_moves(batch_id)
         if integrity.CHECK:
             self.check_integrity()
+            worker = integrity.worker_pool(self.cfg)  # in this process: one rank
+            if worker is not None and self._step_rids is not None:
+                integrity.check_worker(self.pool, worker, self._step_rids)
 
     def apply_moves(self, batch_id: int) -> None:
         """The paper's `apply_moves`: the worker has copied batch `batch_id`,

@@ -159,6 +159,8 @@ class VTokenWorker:
         # dead lists' (arena.BatchMemo).
         self._batch, self._dead = self.pool.memo(), self.pool.memo()
         self.counters = VTokenCounters()  # worker_ns only
+        if integrity.CHECK:  # for its scheduler, in the same process
+            integrity.share_worker_pool(cfg, self.pool)
 
     @timed("worker_ns")
     def begin_step(self, so: SchedulerOutput) -> None:
