@@ -827,3 +827,16 @@ def test_a_chunked_resume_caches_nothing_past_its_first_dead_token():
     listed = kv.coordinator.single_type_managers[0].req_to_blocks["A"]
     assert [b.block_hash for b in listed] == [None, None]
     assert cache_hits(kv, list(range(100, 113))) == 0
+
+
+def test_a_budget_past_the_engine_s_max_model_len_is_taken_not_fatal():
+    """A request the front end took with a budget past the engine core's
+    max_model_len (vLLM's auto-fit shrinks the engine's alone) registers
+    when first scheduled, where a refusal would end the engine: it keeps
+    every token (its budget is past any length it can reach)."""
+    kv, vt, req = setup("vtoken", caching=True)
+    req.sampling_params.extra_args = {"kv_budget_tokens": kv.max_model_len + 16}
+    step(kv, vt, req, 12, running=[])
+    for _ in range(4):
+        step(kv, vt, req, 1, running=[req])
+    assert not vt.pool.has_dead("A") and vt.pool.num_live("A") == 16

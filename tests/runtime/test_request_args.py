@@ -59,6 +59,22 @@ def test_a_request_setting_only_the_policy_keeps_the_engine_s_budget():
             parse({"kv_budget_tokens": budget})
 
 
+def test_the_engine_takes_a_budget_the_front_end_took():
+    """The engine core parses a request the front end checked with no upper
+    bound of its own (max_model_len None): vLLM's auto-fit may have shrunk
+    its max_model_len alone, and a refusal there, inside a step, would end
+    the engine. The other rules still hold."""
+    args = {"kv_budget_tokens": MAX_LEN + 100}
+    with pytest.raises(ValueError, match=r"must be in \[16, 2048\]"):
+        parse(args)  # the front end
+    got = request_eviction(args, Cfg(), block_size=B, max_model_len=None)
+    assert got == RequestEviction("h2o", MAX_LEN + 100)
+    with pytest.raises(ValueError, match=r"kv_budget_tokens=15 must be in \[16,"):
+        request_eviction(
+            {"kv_budget_tokens": B - 1}, Cfg(), block_size=B, max_model_len=None
+        )
+
+
 @pytest.mark.parametrize(
     "args, cfg, message",
     [

@@ -67,9 +67,13 @@ def request_eviction(
     cfg: VTokenConfig,
     *,
     block_size: int,
-    max_model_len: int,
+    max_model_len: int | None,
 ) -> RequestEviction:
     """The request's eviction settings: its own keys over the engine's flags.
+    `max_model_len` None: the budget's upper bound was checked where the
+    request came in (the engine core's may be smaller: vLLM's auto-fit
+    shrinks it there alone), so a request the front end took never fails
+    in a step.
 
     Raises:
         VLLMValidationError: A ValueError naming the key (`parameter`) and the
@@ -119,9 +123,10 @@ def request_eviction(
         )
     # The bounds are a request's own; the engine's budget, inherited, was
     # taken at start-up, as it is for a request that sets no key.
-    if BUDGET_KEY in args and not block_size <= budget <= max_model_len:
+    top = budget if max_model_len is None else max_model_len
+    if BUDGET_KEY in args and not block_size <= budget <= top:
         raise VLLMValidationError(
-            f"{BUDGET_KEY}={budget} must be in [{block_size}, {max_model_len}] "
+            f"{BUDGET_KEY}={budget} must be in [{block_size}, {top}] "
             "(one KV block to max_model_len)",
             parameter=BUDGET_KEY,
         )

@@ -72,7 +72,6 @@ class VTokenScheduler:
         self.pool = TokenTablePool(
             self.block_pool.num_gpu_blocks, block_size, positional_lists=True
         )
-        self._max_model_len = kv_cache_manager.max_model_len
         # The engine's policy sets the scores the worker computes; its budget
         # (None: evict only requests that ask, request_args.py) is the default.
         policy = create_policy(
@@ -458,7 +457,7 @@ class VTokenScheduler:
             req.sampling_params.extra_args if req.sampling_params else None,
             self.cfg,
             block_size=self.block_size,
-            max_model_len=self._max_model_len,
+            max_model_len=None,  # the front end checked it (check_request_args)
         )
         self.runtime.register(rid, prompt_key(req), evict)
 

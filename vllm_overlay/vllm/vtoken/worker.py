@@ -132,7 +132,6 @@ class VTokenWorker:
             )
             warm_up(kv_caches[0], heads, self.scores, split_kv_buffers(attn_groups))
         model = vllm_config.model_config
-        self._max_model_len = model.max_model_len
         parallel = vllm_config.parallel_config
         self._ranks = RankGroups.of(parallel)
         # One PP rank: the input batch holds each row's prompt + outputs
@@ -329,7 +328,7 @@ class VTokenWorker:
             params.extra_args if params is not None else None,
             self.cfg,
             block_size=self.block_size,
-            max_model_len=self._max_model_len,
+            max_model_len=None,  # the front end checked it (check_request_args)
         )
 
     def end_stage(self) -> None:
