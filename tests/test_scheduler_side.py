@@ -800,6 +800,18 @@ def test_a_resume_caches_none_of_what_it_recomputes_past_a_dead_token():
     assert cache_hits(kv, list(req.all_token_ids)) == hits
 
 
+def test_a_resume_without_prefix_caching_leaves_vllm_s_counts_alone():
+    """Prefix caching off: vLLM keeps no cached-block count for a request,
+    and the resume's hook makes none (a count marks a running request)."""
+    kv, vt, req = setup("naive", caching=False)
+    step(kv, vt, req, 12, running=[])
+    step(kv, vt, req, 1, running=[req])  # tokens 1..6 die
+    preempt(kv, vt, req)
+    vt.begin_step([])
+    assert resume(kv, vt, req) == 0
+    assert "A" not in kv.coordinator.single_type_managers[0].num_cached_block
+
+
 def test_a_chunked_resume_caches_nothing_past_its_first_dead_token():
     """Without hits, in chunks: the first chunk's allocation stops the
     caching, so no later chunk (allocated as a running request) is cached:

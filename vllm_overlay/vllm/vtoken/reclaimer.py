@@ -152,6 +152,8 @@ class BlockReclaimer:
         and leave the cache before any other request can hit them. Its
         `num_hits` prefix-cache hits were cached before (native KV) and stay.
         """
+        if not self._caching:  # vLLM caches nothing, and keeps no count
+            return
         if rid not in self._num_cached_block:  # nothing full cached yet
             self._num_cached_block[rid] = num_hits
         cached = self._num_cached_block[rid]
