@@ -99,7 +99,6 @@ class VTokenScheduler:
         # and of holes (`pool.plan_due`; packing frees a block only with a
         # block's worth of holes, so at most about once per B evictions).
         self._recomputing: list[str] = []
-        self._step_rids: dict[str, int] | None = None  # the last step's
         self._caching: set[str] = set()
         self._plan_due: set[str] = set()
         # This step's evictions (request ids, counts, idx), for VTokenStep.
@@ -110,6 +109,9 @@ class VTokenScheduler:
         # before its last (`_sync_slots`).
         self._num_steps = self._num_outputs = 0
         self._stale: dict[str, int] = {}
+        # The last step's scheduled requests, which on_output compares with
+        # the worker's tables under integrity checks (check_worker).
+        self._step_rids: dict[str, int] | None = None
         # The last batch each step hook saw (arena.BatchMemo): the running
         # requests (begin_step), the scheduled ones (_sync_slots).
         self._running = self.pool.memo()
@@ -197,7 +199,7 @@ class VTokenScheduler:
         """Slot this step's tokens, plan compaction, build the worker's message."""
         self._num_steps += 1
         self._freed_by_step.append(self._num_freed)
-        self._step_rids = so.num_scheduled_tokens  # (integrity: check_worker)
+        self._step_rids = so.num_scheduled_tokens
         reslotting = self._sync_slots(so.num_scheduled_tokens)
         moves = None
         # Not a request re-slotting known tokens (resumed): its worker resets
