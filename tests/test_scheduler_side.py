@@ -852,3 +852,34 @@ def test_a_budget_past_the_engine_s_max_model_len_is_taken_not_fatal():
     for _ in range(4):
         step(kv, vt, req, 1, running=[req])
     assert not vt.pool.has_dead("A") and vt.pool.num_live("A") == 16
+
+
+def test_scores_received_read_only_are_folded():
+    """From another process, a step's gains of 1 MiB or more arrive as
+    read-only views of the transport's frames (vLLM's message queue over
+    zmq), which the compiled fold refuses: the scheduler folds copies."""
+    import pickle
+
+    from vllm.vtoken.messages import ScoreStep, VTokenWorkerOutput
+
+    kv, vt, req = setup("vtoken", policy="h2o")
+    step(kv, vt, req, 4, running=[])
+    vt.begin_step([req])
+    assert kv.allocate_slots(req, 1) is not None
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 1}))
+    req.num_computed_tokens += 1
+    keys = np.arange(5, dtype=np.int64)
+    gains = ScoreStep(
+        req_ids=["A"],
+        indptr=np.array([0, 5]),
+        key_idx=keys,
+        gain=np.ones(5, np.float32),
+    )
+    frames = []
+    data = pickle.dumps(
+        VTokenWorkerOutput(scores=gains), protocol=5, buffer_callback=frames.append
+    )
+    out = pickle.loads(data, buffers=[memoryview(bytes(f.raw())) for f in frames])
+    assert not out.scores.key_idx.flags.writeable
+    vt.on_output(out)
+    np.testing.assert_array_equal(vt.scores.scores("A", keys), np.ones(5))

@@ -99,6 +99,21 @@ class ScoreStep:
     key_idx: np.ndarray  # int64 [K]
     gain: np.ndarray  # float32 [K]
 
+    def received(self) -> ScoreStep:
+        """These gains as arrays the compiled fold takes: read-only views of
+        the transport's buffers (a zmq frame: a message over the ring's
+        chunk, or a remote reader; `owned`) copied, writable ones as they
+        are (the fold reads them at once and keeps none)."""
+        arrays = (self.indptr, self.key_idx, self.gain)
+        if all(a.flags.writeable for a in arrays):
+            return self
+        return replace(
+            self,
+            indptr=owned(self.indptr),
+            key_idx=owned(self.key_idx),
+            gain=np.array(self.gain, np.float32),
+        )
+
     def __repr__(self) -> str:
         return f"ScoreStep(reqs={len(self.req_ids)}, keys={len(self.key_idx)})"
 

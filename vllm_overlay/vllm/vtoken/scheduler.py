@@ -256,7 +256,7 @@ class VTokenScheduler:
             known = self._reqs.keys() - stale if stale else self._reqs
             if not stale and freed == self._num_freed:
                 known = None
-            self._scores.fold(out.scores, known=known)
+            self._scores.fold(out.scores.received(), known=known)
         self.counters.copy_bytes = out.copy_bytes
         self.counters.worker_ns = out.host_ns
         for batch_id in out.acked_batches:
