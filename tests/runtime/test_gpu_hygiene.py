@@ -58,3 +58,26 @@ def test_no_host_sync_inside_a_layers_read_and_scores():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert stage.uploads == 1
+
+
+def test_the_profiling_cache_s_worker_goes_with_that_cache(monkeypatch):
+    """Patch 0050: the CUDA-graph memory profile builds a small KV cache,
+    and with it a VTokenWorker whose copy executor holds its tensors. The
+    model runner's cleanup drops that worker too, or the cache would stay
+    allocated next to the real one until its own worker replaced it. (The
+    upstream cleanup, CUDA calls stubbed: no GPU needed.)"""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    runner = SimpleNamespace(
+        kv_caches=[torch.zeros(4)],
+        attn_groups=[],
+        cache_config=SimpleNamespace(num_gpu_blocks=4),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        vtoken=object(),  # the profiling cache's worker
+    )
+    GPUModelRunner._cleanup_profiling_kv_cache(runner)
+    assert runner.kv_caches == [] and runner.vtoken is None
