@@ -740,9 +740,7 @@ def test_a_request_resumed_with_dead_tokens_is_planned_once_slotted_on_both_side
     engine_step(12, running=[])  # the prefill: b0 b1 b2 cached
     out = engine_step(1, running=[req])  # 1..6 die, b0 and b1 evacuated
     assert out.moves is not None
-    vt.on_preempt(req)  # vLLM frees every block; the resume hits the prompt
-    kv.free(req)
-    req.num_computed_tokens = 0
+    preempt(kv, vt, req)  # vLLM frees every block; the resume hits the prompt
     blocks, hits = kv.get_computed_blocks(req)
     assert hits > 0
     req.num_computed_tokens = hits

@@ -166,15 +166,11 @@ class VTokenWorker:
         self._open = True
         pool = self.pool
         pending_reqs = {r for b in self._pending.values() for r in b.req_ids}
-        gone = so.finished_req_ids | (so.preempted_req_ids or set())
-        if pending_reqs and (
-            pending_reqs & gone
-            # or not scheduled: preempted outside a step (the scheduler's
-            # reset_prefix_cache(reset_running_requests=True)) is not in
-            # preempted_req_ids
-            or not pending_reqs <= so.num_scheduled_tokens.keys()
-        ):
-            # Their blocks may be handed out again this step: copies first.
+        if pending_reqs and not pending_reqs <= so.num_scheduled_tokens.keys():
+            # Not scheduled: finished, preempted (also outside a step, which
+            # no preempted_req_ids reports: the scheduler's
+            # reset_prefix_cache(reset_running_requests=True)). Their blocks
+            # may be handed out again this step: copies first.
             self.executor.wait_all()
         done = [rid for rid in so.finished_req_ids if rid in pool]
         if done:  # released for the batch at once
