@@ -263,6 +263,32 @@ def test_cached_blocks_are_evacuated_and_stay_hittable():
     s = vt.make_stats([req])
     assert (s.reclaimed_blocks, s.moved_tokens) == (1, 2)
     assert vt.counters.evacuated_blocks == 2 and vt.counters.tight_plans == 0
+    # Freed tail first, as vLLM frees a list: the head b0 is reused last.
+    assert reused_last(kv, 2) == [b1.block_id, b0.block_id]
+
+
+def reused_last(kv, n: int) -> list[int]:
+    """The last `n` blocks of vLLM's free queue (handed out last)."""
+    queue = kv.block_pool.free_block_queue.get_all_free_blocks()
+    return [b.block_id for b in queue[-n:]]
+
+
+@pytest.mark.parametrize("reclaim", ["naive", "vtoken"])
+def test_blocks_emptied_together_are_freed_tail_first(reclaim):
+    """Blocks emptied in one step go back to vLLM's free queue as vLLM frees
+    a request's list, tail first: the queue hands out the first freed first,
+    and a cached chain is hit from its head only, so with the head reused
+    last the pool can run down to one free block and the prefix still hits
+    (head first, the first block taken broke the chain)."""
+    kv, vt, req = setup(reclaim, caching=True, knobs={"num_sinks": 0}, budget=2)
+    step(kv, vt, req, 12, running=[])
+    b0, b1, b2 = kv.get_block_ids("A")[0]
+    out = step(kv, vt, req, 1, running=[req])  # 0..9 die: b0 and b1 emptied
+    assert out.dead["A"].tolist() == list(range(10))
+    assert kv.get_block_ids("A")[0][:3] == [0, 0, b2]
+    assert reused_last(kv, 2) == [b1, b0]
+    kv.block_pool.get_new_blocks(kv.block_pool.get_num_free_blocks() - 1)
+    assert cache_hits(kv, list(range(100, 113))) == B  # b0 left, still cached
 
 
 def test_a_block_emptied_while_its_copy_is_in_flight_waits_for_the_ack():

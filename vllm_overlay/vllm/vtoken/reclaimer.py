@@ -195,13 +195,15 @@ class BlockReclaimer:
         held = nulled.nonzero()[0]
         if held.size:  # distinct requests: one add
             pool.add_nulls(rows[held], nulled[held])
+        freed.reverse()  # tail first (see _free)
         self._free(freed)
 
     def release_blocks(self, rid: str, blocks: list[KVCacheBlock]) -> None:
         """Null-replace `blocks` of `rid` in its block table (those still in
-        it: not a displaced source), then free them."""
-        self._null_out(rid, [b.block_id for b in blocks])
-        self._free(blocks)
+        it: not a displaced source), then free them, tail first."""
+        held = self._null_out(rid, [b.block_id for b in blocks])
+        ids = {b.block_id for b in held}
+        self._free([b for b in blocks if b.block_id not in ids] + held[::-1])
 
     def _null_out(
         self, rid: str, ids: list[int], unshared_only=False
@@ -215,6 +217,11 @@ class BlockReclaimer:
         return out
 
     def _free(self, blocks: list[KVCacheBlock]) -> None:
+        """Free `blocks` in the order given. Callers give a list's tail
+        first, as vLLM frees a request's list: its free queue hands out the
+        first freed first, so a cached chain's head, which every request
+        with that prefix needs, is reused last (a chain is hit from its head
+        only)."""
         if blocks:
             self.block_pool.free_blocks(blocks)
             self.counters.reclaimed_blocks += len(blocks)
@@ -244,11 +251,9 @@ class BlockReclaimer:
         src, seg, at, ids, num_fresh = self._ack_entries(
             kept, moves.src_indptr, moves.fresh_indptr, moves.src_at, moves.src_ids
         )
-        freed = (
-            list(moves.src)
-            if src.size == len(moves.src)
-            else list(map(moves.src.__getitem__, src.tolist()))
-        )
+        # Tail first (see _free): by entry, last first (stable: one call).
+        src = src[np.argsort(-moves.src_at[src], kind="stable")]
+        freed = list(map(moves.src.__getitem__, src.tolist()))
         rows = self.pool.rows_or_missing(rids)  # the kept ones have rows
         _, nulled = self.blocks.null_at_many(
             rids, rows, seg, at, ids, null, unshared_only=False
@@ -262,9 +267,11 @@ class BlockReclaimer:
             owner = np.repeat(np.arange(len(rids)), np.diff(d))
             hit = np.zeros(len(rids), bool)
             hit[owner[empty]] = True
+            written = []  # no hash (a destination left the cache): reused first
             for k in kept[hit[kept]].tolist():
                 dead = moves.dst_ids[d[k] : d[k + 1]][empty[d[k] : d[k + 1]]]
-                freed += self._null_out(rids[k], dead.tolist(), unshared_only=True)
+                written += self._null_out(rids[k], dead.tolist(), unshared_only=True)
+            freed = written + freed
         _set_batch(map(recs.__getitem__, kept.tolist()), None)
         # The fresh blocks that replaced displaced sources came from the pool.
         self.counters.reclaimed_blocks -= num_fresh
