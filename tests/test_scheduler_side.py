@@ -630,6 +630,46 @@ def test_a_chunked_recompute_scores_persistence_as_one_step(chunks):
     np.testing.assert_allclose(vt.scores.scores("A", np.arange(total)), 1 / 4)
 
 
+@pytest.mark.parametrize(
+    "policy, knobs",
+    [
+        ("scissorhands", {"history_window": 4}),
+        ("snapkv", {"window": 2, "kernel_size": 1}),
+        ("h2o", {}),
+        ("streamingllm", {"num_sinks": 1}),
+    ],
+)
+def test_a_resume_recomputed_in_chunks_is_evicted_once_it_is_whole(policy, knobs):
+    """Over budget and preempted, a request resumes in two chunks, the first
+    past its prompt. Between them it is running but not whole again: nothing
+    is evicted (its scores cover the first chunk; Scissorhands' ages are all
+    0 then, and its key divided by zero, ending the engine core). Once the
+    recompute is in, the next step evicts it back to its budget."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, req = setup("vtoken", policy=policy, budget=8, knobs=knobs, blocks=32)
+    step(kv, vt, req, 12, running=[])
+    for _ in range(5):
+        step(kv, vt, req, 1, running=[req])
+    assert vt.pool.num_live("A") == 9  # the budget, and the newest token
+    vt.on_preempt(req)
+    kv.free(req)
+    req.num_computed_tokens = 0
+    total = req.num_tokens  # 18: 17 computed before, 1 sampled
+    for chunk, running in ((12, []), (total - 12, [req])):
+        vt.begin_step(running)
+        assert not vt._step_dead  # not between the chunks
+        assert kv.allocate_slots(req, chunk) is not None
+        vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": chunk}))
+        req.num_computed_tokens += chunk
+        vt.on_output(VTokenWorkerOutput())
+        vt.check_integrity()
+    req.append_output_token_ids(7)
+    step(kv, vt, req, 1, running=[req])  # whole: evicted as before
+    assert vt.counters.evicted_tokens == 9 + 1
+    assert vt.pool.num_live("A") == 9
+
+
 def test_scores_of_a_request_that_finished_with_its_step_in_flight_stay_gone():
     """A request aborted after its step was scheduled, before that step's
     output: the output's gains for it are not folded (they would make it a

@@ -146,10 +146,11 @@ class VTokenScheduler:
                 seg = np.zeros(dead.size, np.int64)
                 self.reclaimer.free_empty_blocks([rid], seg, dead)
             rec.recomputed_dead = None
-        # Never evict during a (chunked) prefill, nor before the table knows
-        # the tokens (prefill done means every prompt token was attended), nor
-        # while its last step is in flight (PP's batch queue schedules the next
-        # batch first: that step's scores are not in yet).
+        # Never evict during a (chunked) prefill or a resume's recompute, nor
+        # before the table knows the tokens (done means every prompt token
+        # was attended and every known one slotted again), nor while its last
+        # step is in flight (PP's batch queue schedules the next batch first:
+        # that step's scores are not in yet).
         running = list(running)
         rids, rows, prompt = self._running.get(running, self._running_rows)
         if integrity.CHECK:

@@ -358,13 +358,15 @@ def emptied_blocks(
 
 
 @numba.njit(
-    numba.types.Tuple((_b1, _i64, _i64, _i64))(_i64, _i64, _i64, _i64, _i64, _i64),
+    numba.types.Tuple((_b1, _i64, _i64, _i64))(*[_i64] * 7),
     **_jit,
 )
-def over_budget(rows, prompt, limit, n_slotted, n_live, budget):
+def over_budget(rows, prompt, limit, n_tokens, n_slotted, n_live, budget):
     """The scheduler's step, before evicting (VTokenScheduler.begin_step):
     (ok, which, attended, excess). ok[i]: rows[i] exists (>= 0), has its
-    prompt[i] tokens attended (n_slotted), and, where `limit` is given (not
+    prompt[i] tokens attended (n_slotted) and every token it knows slotted
+    again (n_tokens: a resumed request recomputing in chunks is not, though
+    a chunk may pass its prompt), and, where `limit` is given (not
     empty), fewer than limit[i] (its last step's output is in). Of those,
     `which` (ascending) hold more live tokens than budget[row], by `excess`,
     with `attended` slotted."""
@@ -378,7 +380,7 @@ def over_budget(rows, prompt, limit, n_slotted, n_live, budget):
     m = 0
     for i in range(R):
         r = rows[i]
-        if r < 0 or prompt[i] > n_slotted[r]:
+        if r < 0 or prompt[i] > n_slotted[r] or n_slotted[r] < n_tokens[r]:
             continue
         if limit.size and n_slotted[r] >= limit[i]:
             continue

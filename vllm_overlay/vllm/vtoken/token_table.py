@@ -476,15 +476,16 @@ class TokenTablePool:
     def over_budget(self, rows, prompt, limit, budget):
         """(ok, which, attended, excess) of the running requests at `rows`
         (-1: no table yet), in one pass (table_kernels.over_budget): ok, those
-        past their `prompt` tokens (and, `limit` not empty, short of limit:
-        their last step's output is in); which, the ok ones holding more live
+        past their `prompt` tokens with every token they know slotted again
+        (not a resume recomputing in chunks) and, `limit` not empty, short of
+        limit (their last step's output is in); which, the ok ones holding more live
         tokens than budget[row] (int64, by pool row), by excess, with
         `attended` tokens slotted."""
         # numba reads without bounds: the per-request arrays match here.
         assert prompt.size == rows.size and limit.size in (0, rows.size)
         c = self._a.cols
         return self._k.over_budget(
-            rows, prompt, limit, c["n_slotted"], c["n_live"], budget
+            rows, prompt, limit, c["n_tokens"], c["n_slotted"], c["n_live"], budget
         )
 
     def evicted_runs(self, counts):
