@@ -9,8 +9,11 @@ overlay import (triton_utils, logger, platforms, batch_invariant); the overlay's
 
     copy          kv_copy_triton byte-exact (bf16, fp8, uint8); GB/s vs d2d copy
     read          one-token-page read vs stock 16-token pages (decode, prefill,
-                  chunked prefill), max abs difference
-    score         score kernel vs float64 (mean/max, SnapKV window), rel error
+                  chunked prefill; decode on vLLM's split-KV (3D) path, and
+                  with half the requests left to the stock output), max abs
+                  difference
+    score         score kernel vs float64 (mean/max, SnapKV window; the model's
+                  heads and a wide GQA group), rel error
     decode_time   stock vs vToken read vs score-only, ms (CUDA events, medians)
     score_memory  peak extra memory of scoring an 8k-token prefill (and dense)
     syncs         host syncs in one layer's read + score
@@ -23,6 +26,7 @@ bandwidth, memory and syncs as null (n/a).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -57,16 +61,18 @@ SHIM = {  # module of the fake vllm package -> its source
     "model_executor/layers/batch_invariant.py": "def vllm_is_batch_invariant():\n"
     "    return False",
 }
-# heads (Hq, Hkv, D); copy (layers, blocks, H, D, moves); read and score
-# (sequence lengths, query lengths); decode (requests, context); memory (tokens)
+# heads (Hq, Hkv, D), wide (a large GQA group: the score kernel's tile
+# shrinks its query rows for it); copy (layers, blocks, H, D, moves); read and
+# score (sequence lengths, query lengths); decode (requests, context); memory
+# (tokens)
 TINY = dict(
-    heads=(6, 2, 32), copy=(2, 8, 2, 32, 20), score=([40, 25, 19, 5], [1, 6, 19, 0]),
+    heads=(6, 2, 32), wide=(16, 1, 32), copy=(2, 8, 2, 32, 20), score=([40, 25, 19, 5], [1, 6, 19, 0]),
     read=dict(decode=([40, 7, 23], [1] * 3), prefill=([9, 21],) * 2,
               chunked=([30, 20], [4, 6])),
     decode=[(1, 64), (4, 128)], memory=256,
 )  # fmt: skip
 FULL = dict(
-    heads=(32, 8, 128), copy=(8, 2048, 8, 128, 8192),
+    heads=(32, 8, 128), wide=(48, 1, 128), copy=(8, 2048, 8, 128, 8192),
     score=([700, 1500, 333, 2048], [1, 200, 333, 1]),
     read=dict(decode=([700, 2048, 33] * 8, [1] * 24),
               prefill=([1024, 300, 2000],) * 2,
@@ -105,9 +111,9 @@ def timed(fn, c, reps: int = 20) -> float | None:
     return round(statistics.median(times), 4)
 
 
-def make_batch(c, seq, qlen, dtype=None, B=16):
+def make_batch(c, seq, qlen, dtype=None, B=16, heads=None):
     """Requests laid out positionally on random 16-token blocks (stock layout)."""
-    hq, hkv, d = c.heads
+    hq, hkv, d = heads or c.heads
     seq, qlen = np.asarray(seq), np.asarray(qlen)
     nb, R = -(-seq // B), len(seq)
     bt = torch.zeros(R, int(nb.max()), dtype=torch.int32)
@@ -141,7 +147,22 @@ def stock_read(b, out):
     )  # fmt: skip
 
 
-def vtoken_read(b, out, scores=None, write=None):
+def split_kv(b):
+    """vLLM's split-KV (3D) buffers for batch `b`, as TritonAttentionMetadata
+    carries them (128 // Hkv sequences, 16 softmax segments), the max NaN:
+    only the 3D kernel writes it."""
+    _, hq, d = b["q"].shape
+    n, segments, dev = 128 // b["cache"].shape[3], 16, b["q"].device
+    f32 = partial(torch.empty, dtype=torch.float32, device=dev)
+    return types.SimpleNamespace(
+        seq_threshold_3D=n, num_par_softmax_segments=segments,
+        softmax_segm_output=f32(n, hq, segments, 1 << (d - 1).bit_length()),
+        softmax_segm_max=f32(n, hq, segments).fill_(float("nan")),
+        softmax_segm_expsum=f32(n, hq, segments),
+    )  # fmt: skip
+
+
+def vtoken_read(b, out, scores=None, write=None, split=None):
     """One layer of the overlay's read of batch `b`; returns the runner."""
     from vllm.vtoken.context import TokenRead
     from vllm.vtoken.triton_attention import triton_forward
@@ -151,6 +172,7 @@ def vtoken_read(b, out, scores=None, write=None):
     plan = build_triton_read_plan(
         b["qsl"], b["indptr"], b["slots"], 16, write,
         scored=scores is not None, score_query_window=window,
+        score_group=b["q"].shape[1] // b["cache"].shape[3],
     )  # fmt: skip
     if scores is not None:
         scores.begin_step(b["slots"].numel())
@@ -159,7 +181,7 @@ def vtoken_read(b, out, scores=None, write=None):
         query_start_loc=b["qsl"], kv_indptr=b["indptr"], kv_slots=b["slots"],
         plan=plan, scores=scores, with_stock=stock,
     )  # fmt: skip
-    return partial(triton_forward, read, b["q"], b["cache"], out, b["scale"])
+    return partial(triton_forward, read, b["q"], b["cache"], out, b["scale"], split)
 
 
 def dense_mass64(b, aggregate, window):
@@ -207,13 +229,28 @@ def check_copy(c):
 
 def check_read(c):
     res = {}
-    for name, (seq, ql) in c.read.items():
+    runs = [(name, seq, ql, None) for name, (seq, ql) in c.read.items()]
+    seq, ql = c.read["decode"]
+    half = np.arange(len(seq)) % 2 == 0
+    runs += [("decode_split_kv", seq, ql, "split"), ("decode_mixed", seq, ql, half)]
+    for name, seq, ql, how in runs:
         b = make_batch(c, seq, ql)
         want, got = torch.zeros_like(b["q"]), torch.zeros_like(b["q"])
         stock_read(b, want)
-        vtoken_read(b, got)()
+        if isinstance(how, str):  # decode on vLLM's 3D path (patch 0080 passes it)
+            md = split_kv(b)
+            vtoken_read(b, got, split=md)()
+            ran = not md.softmax_segm_max[: len(seq)].isnan().all().item()
+        elif how is not None:  # the others keep the stock output the backend wrote
+            got.copy_(want)
+            got[torch.from_numpy(np.repeat(how, b["qlen"])).to(c.dev)] = 0
+            vtoken_read(b, got, write=how)()
+            ran = True
+        else:
+            vtoken_read(b, got)()
+            ran = True
         err = (got.float() - want.float()).abs().max().item()
-        ok = err <= 2e-2 and want.abs().max().item() > 0  # bf16 tolerance
+        ok = ran and err <= 2e-2 and want.abs().max().item() > 0  # bf16 tolerance
         res[name] = dict(max_abs_err=err, ok=ok)
     res["ok"] = all(v["ok"] for v in res.values())
     return res
@@ -223,18 +260,22 @@ def check_score(c):
     from vllm.vtoken.score_kernel import build_score_plan, triton_attention_mass
 
     res = {}
-    for dt in (torch.float32, c.dt):
-        b = make_batch(c, *c.score, dtype=dt)
+    for heads, dt in itertools.product((c.heads, c.wide), (torch.float32, c.dt)):
+        b = make_batch(c, *c.score, dtype=dt, heads=heads)
+        group = heads[0] // heads[1]
         for aggregate in ("mean", "max"):
             for window in (None, 8):
-                plan = build_score_plan(b["qsl"], b["indptr"], b["slots"], window)
+                plan = build_score_plan(
+                    b["qsl"], b["indptr"], b["slots"], window, group=group
+                )
                 got = triton_attention_mass(
                     b["q"], b["cache"], plan, b["scale"], aggregate
                 ).double()
                 want = dense_mass64(b, aggregate, window)
                 err = ((got - want).abs() / (1 + want.abs())).max().item()
                 ok = err <= (1e-5 if dt == torch.float32 else 2e-3)
-                res[f"{str(dt)[6:]}_{aggregate}_w{window}"] = dict(rel_err=err, ok=ok)
+                key = f"g{group}_{str(dt)[6:]}_{aggregate}_w{window}"
+                res[key] = dict(rel_err=err, ok=ok)
     res["ok"] = all(v["ok"] for v in res.values())
     return res
 
@@ -260,7 +301,8 @@ def check_score_memory(c):
     from vllm.vtoken.triton_attention import attention_mass
 
     b = make_batch(c, [c.memory], [c.memory])
-    plan = build_score_plan(b["qsl"], b["indptr"], b["slots"], None)
+    group = c.heads[0] // c.heads[1]
+    plan = build_score_plan(b["qsl"], b["indptr"], b["slots"], None, group=group)
     keys = b["cache"][b["slots"] // 16, 0, b["slots"] % 16]
     runs = {
         "tiled": partial(triton_attention_mass, b["q"], b["cache"], plan, b["scale"]),

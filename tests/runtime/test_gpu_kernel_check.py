@@ -43,4 +43,7 @@ def test_gpu_kernel_check_runs_tiny_on_cpu(tmp_path):
     for name in ("copy", "read", "score", "decode_time", "score_memory", "syncs"):
         assert name in report, name
     assert all(report["copy"][t]["exact"] for t in ("bfloat16", "uint8"))
-    assert set(report["read"]) >= {"decode", "prefill", "chunked"}
+    assert set(report["read"]) >= {
+        "decode", "prefill", "chunked", "decode_split_kv", "decode_mixed"
+    }  # fmt: skip
+    assert {"g3_float32_mean_wNone", "g16_float32_mean_wNone"} <= set(report["score"])

@@ -108,6 +108,13 @@ def test_score_plan_tiles_the_counted_rows():
     own = build_score_plan(qsl, indptr, slots, np.array([3, 0, 5, 0, 3]), block_q=8)
     assert own.tiles[0].tolist() == [17, 25] and own.tiles[1].tolist() == [20, 28]
     assert build_score_plan(qsl, indptr, slots, None).block_q == 16
+    # Fewer query rows per tile as the query heads of a KV head grow (a
+    # program holds rows x group): vLLM's rule; 16 rows of 48 heads took
+    # more shared memory than an H100 has.
+    blocks = [build_score_plan(qsl, indptr, slots, None, group=g).block_q
+              for g in (1, 3, 4, 8, 16, 48, 71)]  # fmt: skip
+    assert blocks == [16, 16, 16, 8, 4, 1, 1]
+    assert build_score_plan(qsl, indptr, slots, 1, group=48).block_q == 1
     empty = build_score_plan(np.array([0, 3]), np.array([0, 0]), slots[:0], None)
     assert empty.num_tiles == 0 and empty.tiles.shape == (4, 0)
 
@@ -137,14 +144,15 @@ _TRITON_CHILD = """
     qsl = np.r_[0, np.cumsum(q_lens)]
     indptr = np.r_[0, np.cumsum(k_lens)]
     slots = torch.randperm(N * B, generator=gen)[: indptr[-1]]
-    for hq, hkv in ((4, 2), (3, 1)):
+    for hq, hkv in ((4, 2), (3, 1), (16, 1)):  # 16: 4-row tiles
         cache = torch.randn(N, 2, B, hkv, D, generator=gen)
         q = torch.randn(int(qsl[-1]), hq, D, generator=gen)
         keys = cache[slots // B, 0, slots % B]
         for aggregate in ("mean", "max"):
             for window in (None, 3):
                 for block_q in (None, 4):
-                    plan = build_score_plan(qsl, indptr, slots, window, block_q)
+                    plan = build_score_plan(qsl, indptr, slots, window, block_q,
+                                            group=hq // hkv)
                     got = triton_attention_mass(q, cache, plan, 0.3, aggregate,
                                                 block_n=16)
                     want = torch.zeros(len(slots), dtype=torch.float64)
@@ -156,6 +164,13 @@ _TRITON_CHILD = """
                                                   window)
                     torch.testing.assert_close(got.double(), want,
                                                atol=1e-5, rtol=1e-5)
+    # A plan tiled for a narrower group is refused, not launched too big.
+    try:
+        triton_attention_mass(q, cache, build_score_plan(qsl, indptr, slots,
+                                                         None), 0.3)
+        raise SystemExit("a 16-row plan ran for 16 heads per KV head")
+    except AssertionError as e:
+        assert "query heads per KV head" in str(e), e
     # One launch per layer for the whole batch, through triton_forward.
     launches = []
     kernel = st.score_mass_kernel
@@ -168,7 +183,7 @@ _TRITON_CHILD = """
         acc = ScoreAccumulator("sum")
         acc.begin_step(len(slots))
         plan = build_triton_read_plan(qsl, indptr, slots, B, np.zeros(6, bool),
-                                      scored=scored)
+                                      scored=scored, score_group=hq // hkv)
         assert (plan.score is not None) == scored
         read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
                          plan=plan, scores=acc, with_stock=True)

@@ -31,8 +31,19 @@ import torch
 
 # fp32 logits per query tile on the torch path (16 MiB): bounds the extra memory.
 TILE_ELEMS = 1 << 22
-# Query rows per GPU program when some request counts more than one row.
+# Query rows per GPU program when some request counts more than one row: at
+# most GPU_BLOCK_Q, fewer as the query heads of a KV head grow, so that a
+# program's rows (query rows x the group, padded to a power of two) stay
+# within GPU_TILE_ROWS, as vLLM's unified_attention shrinks its BLOCK_Q: 16
+# rows of a 48-head group took 272 KiB of shared memory, past an H100's 227.
 GPU_BLOCK_Q = 16
+GPU_TILE_ROWS = 64
+
+
+def gpu_block_q(group: int) -> int:
+    """Query rows per GPU program for `group` query heads per KV head."""
+    g_pad = 1 << max(group - 1, 0).bit_length()
+    return max(1, min(GPU_BLOCK_Q, GPU_TILE_ROWS // g_pad))
 
 
 def tiled_attention(
@@ -150,6 +161,7 @@ def build_score_plan(
     kv_slots: torch.Tensor,
     query_window: int | np.ndarray | None,
     block_q: int | None = None,
+    group: int = 1,
 ) -> ScorePlan:
     """The tile map of one step's scoring (a fixed number of NumPy calls).
 
@@ -161,13 +173,16 @@ def build_score_plan(
         query_window: Only the last rows of each request count (SnapKV): as
             many as this, or int [R] as many as its entry (0: none).
         block_q: Query rows per tile; default 1 when no request counts more
-            than one row (decode), else GPU_BLOCK_Q.
+            than one row (decode), else `gpu_block_q(group)`.
+        group: Query heads per KV head of the layers it serves.
 
     Returns:
         The plan; tensors on `kv_slots`'s device, uploaded in one copy.
     """
     assert kv_indptr[-1] == kv_slots.numel(), "plan mismatch"
-    tiles, block_q = score_tiles(query_start_loc, kv_indptr, query_window, block_q)
+    tiles, block_q = score_tiles(
+        query_start_loc, kv_indptr, query_window, block_q, group
+    )
     dev = kv_slots.device
     return ScorePlan(
         tiles=torch.from_numpy(tiles).to(dev),
@@ -184,6 +199,7 @@ def score_tiles(
     kv_indptr: np.ndarray,
     query_window: int | np.ndarray | None,
     block_q: int | None = None,
+    group: int = 1,
 ) -> tuple[np.ndarray, int]:
     """`build_score_plan`'s host part: (tiles int32 [4, num_tiles], block_q)."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
@@ -194,7 +210,7 @@ def score_tiles(
     if query_window is not None:
         rows = np.minimum(rows, query_window)
     if block_q is None:
-        block_q = 1 if rows.max(initial=0) <= 1 else GPU_BLOCK_Q
+        block_q = 1 if rows.max(initial=0) <= 1 else gpu_block_q(group)
     per_req = -(-rows // block_q)
     req = np.repeat(np.arange(rows.size), per_req)
     nth = np.arange(req.size) - np.repeat(np.cumsum(per_req) - per_req, per_req)
@@ -244,6 +260,10 @@ def triton_attention_mass(
     if plan.num_tiles == 0:
         return mass.amax(dim=0) if top else mass
     g_pad = triton.next_power_of_2(hq // hkv)
+    assert plan.block_q <= gpu_block_q(hq // hkv), (
+        f"a plan of {plan.block_q}-row tiles for {hq // hkv} query heads per "
+        "KV head (build it with group=)"
+    )
     score_mass_kernel[(plan.num_tiles, hkv)](
         query,
         kv_cache,

@@ -85,7 +85,11 @@ def triton_forward(
     rows = read.scores.query_window if read.score_rows is None else read.score_rows
     if score is None:  # a plan built without `scored`: the tile map per layer
         score = build_score_plan(
-            read.query_start_loc, read.kv_indptr, read.kv_slots, rows
+            read.query_start_loc,
+            read.kv_indptr,
+            read.kv_slots,
+            rows,
+            group=query.shape[1] // kv_cache.shape[3],
         )
     assert score.query_window is rows or np.array_equal(score.query_window, rows), (
         "the plan counts other query rows than the read"
@@ -106,7 +110,7 @@ def warm_up(
     requests do not stall on Triton compiles. Reads slots 0 and 1 into
     scratch (and the split-KV buffers, scratch as well); writes nothing of the
     engine's."""
-    _, _, block, _, head_dim = kv_cache.shape
+    _, _, block, num_kv_heads, head_dim = kv_cache.shape
     stage = HostToDevice(kv_cache.device)
     decode = (None,) if split_kv is None else (None, split_kv)  # None: 2D
     for num_q, splits in ((1, decode), (2, (None,))):
@@ -117,6 +121,7 @@ def warm_up(
             block,
             scored=scores is not None,
             score_query_window=getattr(scores, "query_window", None),
+            score_group=num_heads // num_kv_heads,
             stage=stage,
         )
         q = kv_cache.new_zeros(num_q, num_heads, head_dim)

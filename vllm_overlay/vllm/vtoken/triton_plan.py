@@ -48,6 +48,7 @@ def build_triton_read_plan(
     *,
     scored: bool = False,
     score_query_window: int | np.ndarray | None = None,
+    score_group: int = 1,
     stage: HostToDevice | None = None,
 ) -> TritonReadPlan:
     """See `TokenRead` for the arguments. Built on the host, then uploaded in
@@ -61,7 +62,8 @@ def build_triton_read_plan(
     `scored`: the step accumulates scores (`TokenRead.scores` set), so the plan
     carries the `ScorePlan` of every request with keys, counting each one's
     last `score_query_window` query rows (SnapKV; a number, or one per
-    request), or all of them.
+    request), or all of them, in tiles sized for `score_group` query heads
+    per KV head (`score_kernel.gpu_block_q`).
     """
     if isinstance(kv_slots, torch.Tensor):
         stage = stage or HostToDevice(kv_slots.device)
@@ -89,7 +91,9 @@ def build_triton_read_plan(
     )
     host["table_rows"] = slots_to_rows(slots, block_size)
     if scored:
-        host["tiles"], block_q = score_tiles(qsl_all, indptr, score_query_window)
+        host["tiles"], block_q = score_tiles(
+            qsl_all, indptr, score_query_window, group=score_group
+        )
     dev = stage.upload(host)
     device = stage.device
     table = None

@@ -130,6 +130,8 @@ class VTokenWorker:
             heads = vllm_config.model_config.get_num_attention_heads(
                 vllm_config.parallel_config
             )
+            # Query heads per KV head: the score kernel's tiles are sized by it.
+            self._group = heads // kv_caches[0].shape[3]
             warm_up(kv_caches[0], heads, self.scores, split_kv_buffers(attn_groups))
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
@@ -277,6 +279,7 @@ class VTokenWorker:
                 writes,
                 scored=scores is not None,
                 score_query_window=score_rows,
+                score_group=self._group,
                 stage=self._stage,
             )
             kv_slots = plan.kv_slots
