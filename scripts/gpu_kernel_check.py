@@ -66,7 +66,8 @@ SHIM = {  # module of the fake vllm package -> its source
 # score (sequence lengths, query lengths); decode (requests, context); memory
 # (tokens)
 TINY = dict(
-    heads=(6, 2, 32), wide=(16, 1, 32), copy=(2, 8, 2, 32, 20), score=([40, 25, 19, 5], [1, 6, 19, 0]),
+    heads=(6, 2, 32), wide=(16, 1, 32), copy=(2, 8, 2, 32, 20),
+    score=([40, 25, 19, 5], [1, 6, 19, 0]),
     read=dict(decode=([40, 7, 23], [1] * 3), prefill=([9, 21],) * 2,
               chunked=([30, 20], [4, 6])),
     decode=[(1, 64), (4, 128)], memory=256,
