@@ -12,7 +12,7 @@ import torch
 
 from tests.runtime.interpreter import run_under_interpreter
 from vllm.vtoken import integrity
-from vllm.vtoken.copy_executor import KVCopyExecutor
+from vllm.vtoken.copy_executor import KVCopyExecutor, slot_pairs
 
 
 def make_caches(
@@ -124,6 +124,19 @@ def test_cross_layer_triton_layout_with_strides():
     check_plan_applied(before, caches, "triton", src, dst)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17])
+def test_the_copys_slot_rows_start_aligned_whatever_the_count(m):
+    """The GPU copy uploads its sources and destinations as one [2, M'] array;
+    the destinations' row starts 128-byte aligned for any M, so Triton's
+    16-byte alignment variant of the kernel is the same as the warm-up's (a
+    [2, M] stack put it 8 bytes off for odd M: two compiles, one mid-run)."""
+    src, dst = np.arange(m), np.arange(m) + 100
+    pairs = slot_pairs(src, dst)
+    assert (pairs.data_ptr() - pairs[1].data_ptr()) % 128 == 0
+    assert pairs[0, :m].tolist() == src.tolist()
+    assert pairs[1, :m].tolist() == dst.tolist()
+
+
 def test_empty_batch_is_reported():
     caches = make_caches("cpu")
     before = [c.clone() for c in caches]
@@ -199,7 +212,7 @@ def test_bad_caches_raise():
 
 
 _INTERP_CHILD = """
-    from vllm.vtoken.copy_executor import KVCopyExecutor
+    from vllm.vtoken.copy_executor import KVCopyExecutor, slot_pairs
     from vllm.vtoken.kv_copy_triton import TritonKVSlotCopier
 
     def check(shape, dtype, slices=None):

@@ -465,10 +465,16 @@ def test_decode_takes_the_split_kv_path_with_the_same_output_under_interpreter()
 _WARM_UP_CHILD = """
     from types import SimpleNamespace
 
+    import vllm.vtoken.triton_attention as ta
     from vllm.vtoken.scores import ScoreAccumulator
     from vllm.vtoken.triton_attention import split_kv_buffers, warm_up
 
     N, H, Hq, B, D, S = 4, 2, 4, 16, 32, 4
+    forward, seen = ta.triton_forward, []
+    def counting(read, q, *args):
+        seen.append((read.plan.live_lens.numel(), q.shape[0], args[-1] is not None))
+        return forward(read, q, *args)
+    ta.triton_forward = counting
     kv = torch.randn(N, 2, B, H, D)
     before = kv.clone()
     builder = SimpleNamespace(
@@ -483,6 +489,12 @@ _WARM_UP_CHILD = """
     warm_up(kv, Hq, ScoreAccumulator("sum"), split_kv_buffers(groups))
     assert not builder.softmax_segm_max[0].isnan().all(), "the 3D path did not run"
     assert torch.equal(kv, before), "the warm-up wrote the cache"
+    # Triton's int variants (1, divisible by 16, neither): decode in 2D and
+    # 3D, and prefill, at each request count.
+    assert sorted(seen) == sorted(
+        (n, n * q, split) for n in (1, 2, 16)
+        for q, split in ((1, False), (1, True), (2, False))
+    ), seen
     print("WARM-UP-OK")
 """
 

@@ -32,6 +32,9 @@ from vllm.vtoken.triton_plan import (
     slots_to_rows,
 )
 
+# Requests in the warm-up's batches: Triton's variants of an int argument.
+WARM_UP_SEQS = (1, 2, 16)
+
 # TritonAttentionMetadata's split-KV fields, unified_attention's arguments.
 SPLIT_KV = (
     "seq_threshold_3D",
@@ -107,24 +110,27 @@ def warm_up(
     """Compiles the token read's kernels at start-up (decode and prefill
     variants, decode's split-KV (3D) one too when `split_kv` holds vLLM's
     buffers, and the score kernel when `scores` are accumulated), so the first
-    requests do not stall on Triton compiles. Reads slots 0 and 1 into
-    scratch (and the split-KV buffers, scratch as well); writes nothing of the
-    engine's."""
+    requests do not stall on Triton compiles. Triton compiles a variant per
+    integer argument equal to 1, divisible by 16, or neither (the batch's
+    request and key counts): so 1, 2 and 16 requests. Reads slots 0 and 1
+    into scratch (and the split-KV buffers, scratch as well); writes nothing
+    of the engine's."""
     _, _, block, num_kv_heads, head_dim = kv_cache.shape
     stage = HostToDevice(kv_cache.device)
     decode = (None,) if split_kv is None else (None, split_kv)  # None: 2D
-    for num_q, splits in ((1, decode), (2, (None,))):
+    runs = [(n, q, s) for n in WARM_UP_SEQS for q, s in ((1, decode), (2, (None,)))]
+    for num_seqs, num_q, splits in runs:
         plan = build_triton_read_plan(
-            np.array([0, num_q]),
-            np.array([0, 2]),
-            np.arange(2),
+            np.arange(0, num_q * num_seqs + 1, num_q),
+            np.arange(0, 2 * num_seqs + 1, 2),
+            np.tile(np.arange(2), num_seqs),
             block,
             scored=scores is not None,
             score_query_window=getattr(scores, "query_window", None),
             score_group=num_heads // num_kv_heads,
             stage=stage,
         )
-        q = kv_cache.new_zeros(num_q, num_heads, head_dim)
+        q = kv_cache.new_zeros(num_q * num_seqs, num_heads, head_dim)
         for split in splits:
             out = torch.empty_like(q)
             triton_forward(_Read(plan, None), q, kv_cache, out, 1.0, split)
