@@ -165,6 +165,13 @@ class VTokenConfig:
             refuse("speculative decoding", "rejected tokens would need un-eviction")
         if vllm_config.kv_transfer_config is not None:
             refuse("KV connectors", "they move blocks vToken is compacting")
+        if vllm_config.cache_config.kv_offloading_size is not None:
+            # vLLM builds its offloading connector after this check runs.
+            refuse(
+                "--kv-offloading-size",
+                "it offloads blocks through a KV connector, which would move "
+                "blocks vToken is compacting",
+            )
         parallel = vllm_config.parallel_config
         if (
             parallel.decode_context_parallel_size > 1
