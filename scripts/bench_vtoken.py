@@ -57,11 +57,14 @@ def engine_args(args, **extra) -> dict:
 def policy_args(policy: str, budget: int, reclaim: str) -> dict:
     if policy == "none":
         return {}
+    knobs = {"seed": 0} if policy == "random" else {}
+    if policy == "snapkv" and budget <= 32:  # its window (32) must be < budget
+        knobs = {"window": budget // 2}
     return {
         "kv_eviction_policy": policy,
         "kv_budget_tokens": budget,
         "kv_reclaim": reclaim,
-        "kv_eviction_config": {"seed": 0} if policy == "random" else {},
+        "kv_eviction_config": knobs,
     }
 
 

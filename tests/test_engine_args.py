@@ -99,6 +99,16 @@ def test_a_policy_without_a_budget_evicts_only_requests_that_ask(policy):
             )
             for seed in (-1, "abc", None, 1.5, True)
         ),
+        # Past int64 it was taken and ended the engine core at the first
+        # request (found by review).
+        (
+            {"kv_eviction_policy": "h2o", "kv_budget_tokens": 2**63},
+            "less than or equal to 2147483647",
+        ),
+        (
+            {"kv_eviction_policy": "snapkv", "kv_budget_tokens": 32},
+            "window (32) must be < budget (32)",
+        ),
         ({"kv_budget_tokens": 64}, "--kv-budget-tokens without --kv-eviction-policy"),
         ({"kv_eviction_config": {"seed": 1}}, "--kv-eviction-config without"),
         ({"kv_reclaim": "naive"}, "--kv-reclaim without"),

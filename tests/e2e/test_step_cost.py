@@ -26,6 +26,7 @@ def counts_per_step(policy: str, n: int) -> tuple[float, float]:
         "engine": {
             "kv_eviction_policy": policy,
             "kv_budget_tokens": 32,
+            "kv_eviction_config": {"window": 16} if policy == "snapkv" else {},
             "kv_reclaim": "vtoken",
             "max_num_seqs": n,
         },

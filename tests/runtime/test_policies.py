@@ -70,6 +70,16 @@ def test_bad_budget_raises(name, budget):
         ("scissorhands", {"history_window": 0}, "history_window"),
         ("scissorhands", {"recent_ratio": -0.1}, "recent_ratio"),
         ("random", {"p": 1}, "valid knobs: none"),
+        # Past int32 they overflowed the step's arrays mid-step, ending the
+        # engine core (found by review).
+        ("scissorhands", {"history_window": 2**70}, r"in \[1, 2147483647\]"),
+        ("snapkv", {"window": 2**31}, r"window must be in \[1, 2147483647\]"),
+        ("snapkv", {"window": 8, "kernel_size": 2**31 + 1}, "kernel_size must be"),
+        ("streamingllm", {"num_sinks": 2**63}, "num_sinks must be in"),
+        # The window is kept whole, so it must leave room for the prompt's
+        # top tokens (the reference asserts so); it was a sliding window.
+        ("snapkv", {}, r"window \(32\) must be < budget \(16\)"),
+        ("snapkv", {"window": 16}, r"window \(16\) must be < budget \(16\)"),
     ],
 )
 def test_bad_knobs_raise(name, knobs, match):
@@ -108,7 +118,7 @@ def test_streamingllm_keeps_sinks_and_most_recent():
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_honours_the_evictable_mask_and_count(name):
-    policy = create_policy(name, 8)
+    policy = create_policy(name, 8, {"window": 4} if name == "snapkv" else {})
     idx = np.arange(0, 40, 2)
     evictable = idx < 30  # 15 evictable tokens, the newest 5 protected
     rid = "req-1"
@@ -277,6 +287,45 @@ def test_snapkv_pools_the_window_scores_at_its_first_eviction():
     for bad in ({"kernel_size": 4}, {"pooling": "median"}, {"window": 0}):
         with pytest.raises(ValueError):
             create_policy("snapkv", 8, bad)
+
+
+def test_snapkv_pools_the_prefix_votes_only():
+    """The window's votes for itself stay out of the prefix's pools, as the
+    reference pools attn[..., -w:, :-w] zero-padded: tokens 34 and 35, with
+    no vote, sit next to the window and were kept over heavier ones."""
+    n, window, kernel = 40, 4, 5
+    scores = np.full(n, 0.5, np.float32)
+    scores[n - window :] = 50.0  # the window attends to itself
+    scores[n - 6 : n - 4] = 0.0  # the two prefix tokens next to it: no vote
+    scores[:8] = 1.0
+    policy = create_policy("snapkv", 12, {"window": window, "kernel_size": kernel})
+    out = policy.evict_token(view(np.arange(n), scores=scores, rid="p"), n - 12)
+    kept = sorted(set(range(n)) - set(out.tolist()))
+    # The reference: avg pool of the prefix with zero padding, top 8 + window.
+    pad = np.r_[np.zeros(kernel // 2), scores[: n - window], np.zeros(kernel // 2)]
+    pooled = np.convolve(pad, np.ones(kernel) / kernel, "valid")
+    top = np.argsort(-pooled, kind="stable")[: 12 - window]
+    assert kept == sorted([*top.tolist(), *range(n - window, n)])
+    assert 34 not in kept and 35 not in kept
+
+
+def test_snapkv_pooling_a_kernel_wider_than_the_batch_is_one_pass_per_token():
+    """A kernel far wider than the tokens pools as one as wide as them (its
+    shifts past them reach nothing): it looped once per shift, 200,001 shifts
+    took 1.8 s for 12 tokens, and 2**31 hung the engine core."""
+    from types import SimpleNamespace
+
+    from vllm.vtoken.policies import selection
+
+    batch = SimpleNamespace(seg=np.zeros(12, np.int64))  # one request
+    key = np.arange(12, dtype=np.float64)
+    for how in ("avg", "max"):
+        wide = selection.pool_along(batch, key, 2**31 + 1, how)
+        fit = selection.pool_along(batch, key, 25, how)  # as wide as 12 tokens
+        if how == "avg":
+            np.testing.assert_allclose(wide * (2**31 + 1), fit * 25)
+        else:
+            np.testing.assert_array_equal(wide, fit)
 
 
 @pytest.mark.parametrize(

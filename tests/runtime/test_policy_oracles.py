@@ -160,7 +160,9 @@ def test_the_runtime_holds_every_policy_to_its_budget(name, budget, growth, seed
     def source(rid, idx):
         return rng.random(idx.size).astype(np.float32)
 
-    rt = EvictionRuntime(pool, create_policy(name, budget), budget, score_source=source)
+    knobs = {"window": budget // 2} if name == "snapkv" else {}  # < budget
+    policy = create_policy(name, budget, knobs)
+    rt = EvictionRuntime(pool, policy, budget, score_source=source)
     total, dead = 0, set()
     for n in growth:
         rt.sync_new_tokens("a", np.arange(total, total + n) + 1000)

@@ -91,6 +91,11 @@ def test_the_engine_takes_a_budget_the_front_end_took():
             Cfg("streamingllm", None, num_sinks=32),
             r"kv_budget_tokens=16: streamingllm: num_sinks \(32\) must be < budget",
         ),
+        (  # SnapKV keeps its window whole (32 by default)
+            {"kv_budget_tokens": 32},
+            Cfg("snapkv", None),
+            r"kv_budget_tokens=32: snapkv: window \(32\) must be < budget",
+        ),
         ({"kv_eviction_policy": "lru"}, None, "must be one of"),
         ({"kv_eviction_policy": "scissorhands"}, None, "'persistence' attention"),
         ({"kv_eviction_policy": "h2o"}, Cfg("random", 64), "'sum' attention"),

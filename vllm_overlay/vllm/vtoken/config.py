@@ -57,7 +57,7 @@ class VTokenConfig:
     attend to, pooled; random: uniform, seeded. Installed
     packages add policies through the "vtoken.policies" entry point group."""
 
-    kv_budget_tokens: int | None = Field(default=None, gt=0)
+    kv_budget_tokens: int | None = Field(default=None, gt=0, le=UNBOUNDED_BUDGET)
     """Live tokens kept per request once eviction starts. Prompts longer than
     this are prefilled in full, then evicted down to it. Requests may override
     it (extra_args / vllm_xargs "kv_budget_tokens"); without it, only requests

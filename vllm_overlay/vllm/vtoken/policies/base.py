@@ -20,6 +20,7 @@ from vllm.vtoken.scores import SCORE_MODES
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 AGGREGATES = ("mean", "max")  # the `aggregate` knob of score policies
+MAX_KNOB = 2**31 - 1  # an int knob's bound (config.UNBOUNDED_BUDGET's)
 
 
 def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
@@ -309,12 +310,25 @@ class EvictionPolicy(ABC):
             raise ValueError(f"{self.name}: {knob} must be in [0, 1], got {value}")
         return float(value)
 
+    def _int_below_budget(self, knob: str, low: int, why: str) -> int:
+        """`_int`, and below the budget (`why`: what it keeps)."""
+        value = self._int(knob, low)
+        if value >= self.budget:
+            raise ValueError(
+                f"{self.name}: {knob} ({value}) must be < budget ({self.budget}): {why}"
+            )
+        return value
+
     def _int(self, knob: str, low: int) -> int:
+        """An int knob in [low, MAX_KNOB] (past it, the per-step arrays it
+        sizes or indexes overflow: no context is that long)."""
         value = self.knobs[knob]
         if isinstance(value, bool) or not isinstance(value, int | np.integer):
             raise ValueError(f"{self.name}: {knob} must be an int, got {value!r}")
-        if value < low:
-            raise ValueError(f"{self.name}: {knob} must be >= {low}, got {value}")
+        if not low <= value <= MAX_KNOB:
+            raise ValueError(
+                f"{self.name}: {knob} must be in [{low}, {MAX_KNOB}], got {value}"
+            )
         return int(value)
 
 

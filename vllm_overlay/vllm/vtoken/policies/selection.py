@@ -117,11 +117,17 @@ class ArrivalSteps:
             self._a.remove(req_id)
 
 
-def pool_along(batch: BatchView, key: np.ndarray, kernel: int, how: str) -> np.ndarray:
+def pool_along(
+    batch: BatchView, key: np.ndarray, kernel: int, how: str, skip=None
+) -> np.ndarray:
     """float64 [N]: `key` pooled over windows of `kernel` (odd) neighbours
     within each request: their max, or their mean with the ends padded by
-    zeros ("avg", as avg_pool1d counts padding)."""
-    n, half = key.size, kernel // 2
+    zeros ("avg", as avg_pool1d counts padding); `skip` (bool [N]): tokens
+    that count as padding."""
+    if skip is not None:
+        key = np.where(skip, 0.0, key)
+    n = key.size
+    half = min(kernel // 2, n)  # past n a shift reaches no token
     out = np.full(n, -np.inf) if how == "max" else np.zeros(n)
     at = np.arange(n)
     for d in range(-half, half + 1):

@@ -20,9 +20,9 @@ class SnapKVPolicy(base.EvictionPolicy):
     the window. Decode is H2O's rule: each decode query adds its attention, the
     lowest go first outside the window.
 
-    Knobs: window (observation and recent window, tokens, >= 1; default 32, the
-    paper's), kernel_size (odd; default 5) and pooling ("avg", default, or
-    "max"), both as in the reference code.
+    Knobs: window (observation and recent window, tokens, in [1, budget);
+    default 32, the paper's), kernel_size (odd; default 5) and pooling ("avg",
+    default, or "max"), both as in the reference code.
     """
 
     name = "snapkv"
@@ -30,14 +30,13 @@ class SnapKVPolicy(base.EvictionPolicy):
     defaults = {"window": 32, "kernel_size": 5, "pooling": "avg"}
 
     def _validate(self) -> None:
-        self.window = self.score_query_window = self._int("window", 1)
+        # Room for the prompt's top tokens too (the reference asserts it).
+        self.window = self._int_below_budget("window", 1, "it is kept whole")
+        self.score_query_window = self.window
         self.kernel = self._int("kernel_size", 1)
         self.pooling = self.knobs["pooling"]
         if self.kernel % 2 == 0 or self.pooling not in ("avg", "max"):
-            raise ValueError(
-                "snapkv: kernel_size must be odd and pooling 'avg' or 'max', "
-                f"got {self.kernel} and {self.pooling!r}"
-            )
+            raise ValueError(f"snapkv: kernel_size odd, pooling avg/max: {self.knobs}")
         self._pooled: set[str] = set()  # requests past their first eviction
 
     def lowest_rule(self, req_ids):  # decode, every request pooled: H2O's
@@ -49,11 +48,16 @@ class SnapKVPolicy(base.EvictionPolicy):
             raise ValueError("snapkv needs observation-window attention scores")
         key = batch.scores.astype(np.float64)
         first = [r not in self._pooled for r in batch.req_ids]
+        protected = selection.recent_batch(batch, self.window)
         if any(first):  # the end of their prefill: pool the window's scores
             self._pooled.update(set(batch.req_ids).difference(self._pooled))
-            pooled = selection.pool_along(batch, key, self.kernel, self.pooling)
+            # The prefix's votes only, as the reference pools attn[..., :-w]
+            # (zero-padded): the window's own, kept anyway, would lift the
+            # prefix tokens next to it.
+            pooled = selection.pool_along(
+                batch, key, self.kernel, self.pooling, protected
+            )
             key = np.where(np.asarray(first)[batch.seg], pooled, key)
-        protected = selection.recent_batch(batch, self.window)
         return selection.lowest_batch(batch, num_evict, key, protected)
 
     def reset_scores(self, req_id: str) -> None:

@@ -26,12 +26,7 @@ class StreamingLLMPolicy(base.EvictionPolicy):
     defaults = {"num_sinks": 4}
 
     def _validate(self) -> None:
-        self.num_sinks = self._int("num_sinks", 0)
-        if self.num_sinks >= self.budget:
-            raise ValueError(
-                f"streamingllm: num_sinks ({self.num_sinks}) must be < budget "
-                f"({self.budget})"
-            )
+        self.num_sinks = self._int_below_budget("num_sinks", 0, "the sinks are kept")
 
     def lowest_rule(self, req_ids):
         return base.LowestRule("index", sinks=self.num_sinks)
