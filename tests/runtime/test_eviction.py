@@ -89,6 +89,26 @@ def test_the_batch_path_checks_a_plug_ins_answer_too():
     assert rt.pool.num_live("a") == rt.pool.num_live("b") == 6
 
 
+def test_a_plug_in_s_negative_index_is_refused_not_another_request_s_token():
+    """A negative index of request b keyed request a's token `width + idx`,
+    live and evictable, so the check passed and the kill wrote outside b's
+    region (a's token died, b's count fell; found by review)."""
+
+    class OffByOne(EvictionPolicy):  # a plug-in: the runtime checks it
+        name = "off_by_one"
+
+        def evict_batch(self, batch, num_evict):
+            return np.array([12, 2]), np.r_[batch.live_idx[:12], 0, -2]
+
+    rt = make_runtime(OffByOne(4), budget=4)
+    rt.sync_new_tokens("a", np.arange(16))  # its row: as wide as the check's key
+    rt.sync_new_tokens("b", np.arange(16, 22))
+    with pytest.raises(RuntimeError, match="broke its contract"):
+        rt.enforce_budgets(["a", "b"], np.array([16, 6]))
+    assert rt.pool.num_live("a") == 16 and rt.pool.num_live("b") == 6
+    rt.pool.check_integrity()
+
+
 def test_the_batch_path_evicts_what_the_per_request_path_does():
     one, batch = (make_runtime(Recorder(4), budget=4) for _ in range(2))
     for rt in (one, batch):

@@ -384,13 +384,16 @@ def check_answers(policy, ids, seg, idx, evictable, excess, counts, chosen) -> N
     want = np.minimum(excess, np.bincount(seg[evictable], minlength=len(ids)))
     ok = counts.size == len(ids) and (counts == want).all()
     ok = ok and chosen.size == counts.sum()
-    if ok and chosen.size:
+    # A negative index would key another request's token (cseg * width).
+    if ok and chosen.size and chosen.min() >= 0:
         cseg = np.repeat(np.arange(len(ids)), counts)
         width = int(max(idx.max(), chosen.max())) + 1
         key, ckey = seg * width + idx, cseg * width + chosen
         at = np.minimum(np.searchsorted(key, ckey), key.size - 1)
         ok = (key[at] == ckey).all() and evictable[at].all()
         ok = ok and np.unique(ckey).size == ckey.size
+    elif chosen.size:
+        ok = False
     if not ok:
         raise RuntimeError(
             f"policy {policy.name} broke its contract on {ids[:4]}...: wanted "
