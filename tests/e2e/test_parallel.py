@@ -72,6 +72,8 @@ def run(model: str, policy: str, reclaim: str, tp=1, pp=1, waves=None, **extra) 
     }
     out = run_engine({"engine": engine, "waves": [wave(p) for p in waves or [policy]]})
     assert out["pool_live_end"] == 0
+    for w in out["waves"]:  # the engine's, at its end
+        w["counters"] = out["counters"]
     return out["waves"]
 
 
@@ -110,6 +112,17 @@ def test_vtoken_equals_naive(sum_runs, config, k):
 def test_the_same_tokens_die_as_on_one_rank(sum_runs, config, k):
     one, many = sum_runs["tp1-vtoken"][k], sum_runs[f"{config}-vtoken"][k]
     assert many["dead"] == one["dead"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_the_bytes_copied_are_every_rank_s(sum_runs, config):
+    """The same moves on every rank, each with its heads or layers: the
+    metric counts them all, as on one rank (it counted the output rank's:
+    half at TP=2, found by review)."""
+    one, many = sum_runs["tp1-vtoken"][0]["counters"], sum_runs[f"{config}-vtoken"][0]
+    many = many["counters"]
+    assert many["moved_tokens"] == one["moved_tokens"] > 0
+    assert many["copy_bytes"] == one["copy_bytes"] > 0
 
 
 def check_same_scores(one: dict, many: dict) -> None:

@@ -155,6 +155,11 @@ class KVCopyExecutor:
         """Running total of KV bytes written (K and V, all layers)."""
         return self._bytes_copied
 
+    @property
+    def slot_bytes(self) -> int:
+        """KV bytes of one slot in these caches (K and V, all layers)."""
+        return self._slot_bytes
+
     def submit(
         self, batch_id: int, src_slots: np.ndarray, dst_slots: np.ndarray
     ) -> None:

@@ -143,6 +143,9 @@ class VTokenWorker:
         # TP and PP: ranks.py); normalise to a mean.
         local = len(kv_caches) * model.get_num_attention_heads(parallel)
         self._score_norm = float(self._ranks.sum(local))
+        # Every rank moves the same slots, each with its own heads (TP) and
+        # layers (PP): the bytes reported are all ranks' (kv_copy_bytes).
+        self._slot_bytes_all = self._ranks.sum(self.executor.slot_bytes)
         self._pending: dict[int, MoveBatch] = {}
         self._acks = Acks(self._ranks, synchronous=layout == "cpu")
         self._open = False  # a step began and has not ended
@@ -355,7 +358,9 @@ class VTokenWorker:
         acked = self._acks.take()
         return VTokenWorkerOutput(
             acked_batches=acked,
-            copy_bytes=self.executor.bytes_copied,
+            copy_bytes=self.executor.bytes_copied
+            // self.executor.slot_bytes
+            * self._slot_bytes_all,
             host_ns=self.counters.worker_ns,
             scores=step_scores,
         )
