@@ -835,6 +835,28 @@ def preempt(kv, vt, req):
     req.num_computed_tokens = 0
 
 
+def test_the_gauges_of_a_resume_recomputing_in_chunks_count_its_slotted_tokens():
+    """Liveness outlives a preemption; the first chunk of the resume slots 4
+    of its 21 tokens, in 1 block. The gauges counted every live token
+    against that block: utilization 1.75, waste -0.75 (found by review)."""
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, req = setup("naive", budget=6, blocks=32)
+    step(kv, vt, req, 12, running=[])
+    for _ in range(8):
+        step(kv, vt, req, 1, running=[req])
+    preempt(kv, vt, req)
+    vt.begin_step([])
+    resume(kv, vt, req, count=4)  # tokens 0-3: StreamingLLM kept 0 (a sink)
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 4}))
+    req.num_computed_tokens += 4
+    vt.on_output(VTokenWorkerOutput())
+    s = vt.make_stats([req])
+    assert (s.retained_blocks, s.live_tokens) == (1, 1)
+    assert s.token_utilization == pytest.approx(1 / 4)
+    assert s.intra_block_waste == pytest.approx(3 / 4)
+
+
 def test_a_resume_caches_none_of_what_it_recomputes_past_a_dead_token():
     """A resume's recompute attends live tokens only, so the blocks
     allocate_slots caches from the first dead token's block on hold KV no

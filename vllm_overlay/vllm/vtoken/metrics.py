@@ -24,7 +24,8 @@ GAUGES = {
     ),
     "retained_blocks": (
         "vllm:kv_retained_blocks",
-        "KV blocks held by running requests.",
+        "KV blocks held by running requests, summed over them (a block "
+        "prefix caching shares counts once per request holding it).",
     ),
 }
 COUNTERS = {

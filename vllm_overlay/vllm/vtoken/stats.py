@@ -90,6 +90,12 @@ def stats_of(block_size, running, reqs, req_to_blocks, pool, delta) -> VTokenSta
     nulls = pool.num_nulls_rows(rows)
     computed = np.fromiter((r.num_computed_tokens for r in running), np.int64, n)
     live = pool.num_live_rows(rows)
+    # A resume recomputing in chunks: its live tokens not slotted again hold
+    # no slot yet (the liveness bits outlive the preemption).
+    resuming = (pool.num_slotted_rows(rows) < pool.num_tokens_rows(rows)).nonzero()[0]
+    if resuming.size:
+        seg, _, _ = pool.live_tokens(rows[resuming])
+        live[resuming] = np.bincount(seg, minlength=resuming.size)
     B = block_size
     held = blocks - nulls
     # Compaction moves tokens into written slots only (holes), so the written
