@@ -309,6 +309,32 @@ def test_snapkv_pools_the_prefix_votes_only():
     assert 34 not in kept and 35 not in kept
 
 
+@pytest.mark.parametrize("how", ["avg", "max"])
+def test_snapkv_pools_a_wide_kernel_as_its_shifts_would(how, monkeypatch):
+    """Past _SHIFTS, pooling takes prefix sums (avg) or a doubling table
+    (max), not a pass per shift: the same windows, within each request (a
+    kernel of 2049 took 0.33 s at 32 x 1,024 tokens one pass per shift, and
+    2**31 - 1 would have hung the step; found by review)."""
+    from types import SimpleNamespace
+
+    from vllm.vtoken.policies import selection
+
+    rng = np.random.default_rng(3)
+    lens = np.array([1, 40, 7, 90, 33])
+    batch = SimpleNamespace(seg=np.repeat(np.arange(lens.size), lens))
+    key = rng.random(lens.sum())
+    for kernel in (35, 61, 181, 2**31 - 1):
+        wide = selection.pool_along(batch, key, kernel, how)
+        monkeypatch.setattr(selection, "_SHIFTS", 1 << 20)  # one pass a shift
+        shifts = selection.pool_along(batch, key, min(kernel, 181), how)
+        monkeypatch.undo()
+        if how == "avg":
+            shifts = shifts * min(kernel, 181) / kernel
+        np.testing.assert_allclose(wide, shifts, rtol=1e-12)
+    big = SimpleNamespace(seg=np.repeat(np.arange(32), 1024))
+    selection.pool_along(big, rng.random(32 * 1024), 2**31 - 1, how)  # at once
+
+
 def test_snapkv_pooling_a_kernel_wider_than_the_batch_is_one_pass_per_token():
     """A kernel far wider than the tokens pools as one as wide as them (its
     shifts past them reach nothing): it looped once per shift, 200,001 shifts

@@ -246,7 +246,8 @@ class EvictionRuntime:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The scheduler's step: `enforce_budgets` of the running requests at
         Token Table `rows` (int64, -1: no table yet) that have attended their
-        `prompt` tokens and, where `limit` is not empty, hold fewer than
+        `prompt` tokens, slotted every token they know (not a resume between
+        its chunks) and, where `limit` is not empty, hold fewer than
         limit[i] slotted (their last step's output is in); choosing them and
         their excess is one compiled pass (TokenTablePool.over_budget).
 

@@ -512,8 +512,9 @@ class BlockReclaimer:
             # Every token already dead: free right away, nothing to evacuate into.
             r = plan.req_index[k]
             lo, hi = plan.src_indptr[k], plan.src_indptr[k + 1]
-            self.release_blocks(rids[r], src[lo:hi])
+            # The fresh blocks (no hash) first: reused before the sources.
             self.block_pool.free_blocks(fresh[fresh_at[k] : fresh_at[k + 1]])
+            self.release_blocks(rids[r], src[lo:hi])
         if not np.logical_or.reduce(moving):  # (.any(), .all(): 3 calls)
             return None
         if not np.logical_and.reduce(moving):  # the moving requests' parts only

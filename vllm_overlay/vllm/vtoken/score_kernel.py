@@ -34,8 +34,9 @@ TILE_ELEMS = 1 << 22
 # Query rows per GPU program when some request counts more than one row: at
 # most GPU_BLOCK_Q, fewer as the query heads of a KV head grow, so that a
 # program's rows (query rows x the group, padded to a power of two) stay
-# within GPU_TILE_ROWS, as vLLM's unified_attention shrinks its BLOCK_Q: 16
-# rows of a 48-head group took 272 KiB of shared memory, past an H100's 227.
+# within GPU_TILE_ROWS (a group past it: one query row, the group's rows), as
+# vLLM's unified_attention shrinks its BLOCK_Q: 16 rows of a 48-head group
+# took 272 KiB of shared memory, past an H100's 227.
 GPU_BLOCK_Q = 16
 GPU_TILE_ROWS = 64
 

@@ -117,6 +117,11 @@ class ArrivalSteps:
             self._a.remove(req_id)
 
 
+# Above this half-width pool_along takes prefix sums (avg) or a doubling
+# table (max), O(N log kernel), not one pass per shift, O(N kernel).
+_SHIFTS = 16
+
+
 def pool_along(
     batch: BatchView, key: np.ndarray, kernel: int, how: str, skip=None
 ) -> np.ndarray:
@@ -127,14 +132,43 @@ def pool_along(
     if skip is not None:
         key = np.where(skip, 0.0, key)
     n = key.size
-    half = min(kernel // 2, n)  # past n a shift reaches no token
-    out = np.full(n, -np.inf) if how == "max" else np.zeros(n)
+    if n == 0:
+        return np.zeros(0)
+    # Each token's request: [lo, hi) of the batch (requests are contiguous).
+    edges = np.flatnonzero(np.r_[True, batch.seg[1:] != batch.seg[:-1], True])
+    width = np.diff(edges)
+    lo = np.repeat(edges[:-1], width)
+    hi = lo + np.repeat(width, width)
+    half = min(kernel // 2, int(width.max()) - 1)  # past a request: no token
     at = np.arange(n)
+    if half > _SHIFTS:
+        return _pool_wide(key, at, np.maximum(at - half, lo),
+                          np.minimum(at + half, hi - 1), kernel, how)  # fmt: skip
+    out = np.full(n, -np.inf) if how == "max" else np.zeros(n)
     for d in range(-half, half + 1):
-        j = np.clip(at + d, 0, max(n - 1, 0))
-        same = (at + d >= 0) & (at + d < n) & (batch.seg[j] == batch.seg)
+        j = np.clip(at + d, 0, n - 1)
+        same = (at + d >= lo) & (at + d < hi)
         if how == "max":
             out = np.maximum(out, np.where(same, key[j], -np.inf))
         else:
             out += np.where(same, key[j], 0.0)
     return out if how == "max" else out / kernel
+
+
+def _pool_wide(key, at, a, b, kernel, how) -> np.ndarray:
+    """`pool_along` over windows [a[i], b[i]] (inclusive, inside a request):
+    avg from prefix sums; max from a doubling table (level k: the max of
+    2**k tokens from each), two lookups a token."""
+    if how != "max":
+        csum = np.r_[0.0, np.cumsum(key)]
+        return (csum[b + 1] - csum[a]) / kernel
+    length = b - a + 1
+    level = np.floor(np.log2(length)).astype(np.int64)
+    table = [key.astype(np.float64)]
+    for k in range(1, int(level.max()) + 1):
+        prev, step = table[-1], 1 << (k - 1)
+        nxt = prev.copy()  # a run past the array's end is never looked up
+        nxt[:-step] = np.maximum(prev[:-step], prev[step:])
+        table.append(nxt)
+    table = np.stack(table)
+    return np.maximum(table[level, a], table[level, b - (1 << level) + 1])
