@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Apply the vToken patch series and overlay onto a vLLM 0.18.0 tree.
 #
-#   ./apply.sh [--check] [--reverse] [--venv PATH] [DIR]
+#   ./apply.sh [--check] [--reverse] [--verify] [--venv PATH] [DIR]
 #   ./apply.sh --print-hash    (the hash of patches/ + vllm_overlay/ it records)
 #
 # DIR is the folder that contains the `vllm/` package: a git checkout of vLLM at
@@ -11,7 +11,9 @@
 # All or nothing: every patch is first applied, in `patches/series` order and with
 # zero fuzz, to a staging copy of the files it touches. The tree is changed only when
 # the whole series applied there. The pristine files are kept in DIR/.vtoken/, so
-# --reverse restores the tree byte for byte even after the series has changed.
+# --reverse restores the tree byte for byte even after the series has changed; it
+# also undoes an apply or a reverse that stopped half-way, and removes vToken from
+# a vLLM reinstalled over it. --verify: exit 0 if DIR holds this install intact.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -24,7 +26,7 @@ die() { echo "apply.sh: error: $*" >&2; exit 1; }
 say() { echo "apply.sh: $*"; }
 
 usage() {
-  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   exit "${1:-0}"
 }
 
@@ -38,16 +40,33 @@ overlay_files() { (cd "$OVERLAY" && find . -type f ! -name '*.pyc' ! -path '*/__
 # Files a patch touches, from its '+++ b/...' lines.
 patch_targets() { sed -n -E 's|^\+\+\+ b/([^[:space:]]+).*|\1|p' "$1"; }
 
+sha() { sha256sum < "$1" | cut -c1-64; }
+
+# An overlay file and its bytecode.
+remove_overlay_file() {
+  rm -f "$dir/$1"
+  rm -f "$dir/$(dirname "$1")/__pycache__/$(basename "$1" .py)".*.pyc
+}
+
+# Folders the overlay created, deepest first, with their bytecode caches
+# ("newdir PATH" lines of file $1).
+remove_new_dirs() {
+  while read -r _ path; do
+    rm -rf "$dir/$path/__pycache__"; rmdir "$dir/$path" 2>/dev/null || true
+  done < <(grep '^newdir ' "$1" | sort -r -k2)
+}
+
 patchset_hash() {
   { cat "$PATCHES/series"; series_entries | while read -r p; do cat "$PATCHES/$p"; done
     overlay_files | while read -r f; do echo "$f"; cat "$OVERLAY/$f"; done; } | sha256sum | cut -c1-16
 }
 
-check=0 reverse=0 venv="" dir="" print_hash=0
+check=0 reverse=0 verify=0 venv="" dir="" print_hash=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --check) check=1 ;;
     --reverse) reverse=1 ;;
+    --verify) verify=1 ;;
     --print-hash) print_hash=1 ;;
     --venv) [ $# -ge 2 ] || die "--venv needs a path"; venv=$2; shift ;;
     -h|--help) usage 0 ;;
@@ -86,18 +105,54 @@ fi
 [ -n "$version" ] || die "cannot tell the vLLM version of $dir (no vllm/_version.py, no git tag)"
 case "$version" in
   "$WANT_VERSION"|"$WANT_VERSION"+*) ;;
-  *) die "$dir holds vLLM $version; this patch series is for vLLM $WANT_VERSION only" ;;
+  *)
+    left=""
+    [ ! -d "$state" ] || left=" (a vToken install for another vLLM is left over: delete $dir/vllm/vtoken and $state)"
+    die "$dir holds vLLM $version; this patch series is for vLLM $WANT_VERSION only$left" ;;
 esac
+
+# --- verify: every file the manifest lists, as apply left it ------------------------
+if [ "$verify" = 1 ]; then
+  [ -f "$state/manifest" ] || exit 1
+  while read -r kind sum path; do
+    [ "$kind" = patched ] || [ "$kind" = overlay ] || continue
+    [ -f "$dir/$path" ] && [ "$(sha "$dir/$path")" = "$sum" ] || exit 1
+  done < "$state/manifest"
+  exit 0
+fi
 
 # --- reverse ----------------------------------------------------------------------
 if [ "$reverse" = 1 ]; then
+  if [ -d "$state" ] && [ ! -f "$state/manifest" ]; then
+    # An apply stopped half-way. Its plan, written before the tree changed,
+    # lists every file it may have touched; without one nothing was touched.
+    if [ "$check" = 1 ]; then say "would undo an apply that stopped half-way in $dir"; exit 0; fi
+    if [ -f "$state/plan" ]; then
+      while read -r kind path; do
+        case "$kind" in
+          patched) cp -p "$state/orig/$path" "$dir/$path" ;;
+          overlay) remove_overlay_file "$path" ;;
+        esac
+      done < "$state/plan"
+      remove_new_dirs "$state/plan"
+    fi
+    rm -rf "$state"
+    say "undid an apply that stopped half-way: $dir is vLLM $version as it was"
+    exit 0
+  fi
   [ -f "$state/manifest" ] || die "$dir is not patched by vToken (no $STATE_NAME/manifest)"
+  # A file may already be as it was: restored by a reverse that stopped
+  # half-way, or by a reinstall of vLLM over this one (an overlay file gone).
   bad=0
   while read -r kind sum path; do
-    [ "$kind" = patched ] || [ "$kind" = overlay ] || continue
-    if [ ! -f "$dir/$path" ] || [ "$(sha256sum < "$dir/$path" | cut -c1-64)" != "$sum" ]; then
-      echo "apply.sh: $path changed since it was patched" >&2; bad=1
-    fi
+    case "$kind" in
+      patched)
+        [ -f "$dir/$path" ] && { [ "$(sha "$dir/$path")" = "$sum" ] || cmp -s "$dir/$path" "$state/orig/$path"; } ||
+          { echo "apply.sh: $path changed since it was patched" >&2; bad=1; } ;;
+      overlay)
+        [ ! -e "$dir/$path" ] || [ "$(sha "$dir/$path")" = "$sum" ] ||
+          { echo "apply.sh: $path changed since it was patched" >&2; bad=1; } ;;
+    esac
   done < "$state/manifest"
   [ "$bad" = 0 ] || die "refusing to reverse: files above were edited after apply (nothing changed)"
   if [ "$check" = 1 ]; then
@@ -107,18 +162,10 @@ if [ "$reverse" = 1 ]; then
   while read -r kind sum path; do
     case "$kind" in
       patched) cp -p "$state/orig/$path" "$dir/$path" ;;
-      overlay)
-        rm -f "$dir/$path"
-        base=$(basename "$path" .py); pyc_dir="$dir/$(dirname "$path")/__pycache__"
-        rm -f "$pyc_dir/$base".*.pyc
-        ;;
+      overlay) remove_overlay_file "$path" ;;
     esac
   done < "$state/manifest"
-  # Folders the overlay created (listed deepest first), with their bytecode caches.
-  while read -r kind path; do
-    [ "$kind" = newdir ] || continue
-    rm -rf "$dir/$path/__pycache__"; rmdir "$dir/$path" 2>/dev/null || true
-  done < <(grep '^newdir ' "$state/manifest" | sort -r -k2)
+  remove_new_dirs "$state/manifest"
   rm -rf "$state"
   say "reversed: $dir is vLLM $version as it was"
   exit 0
@@ -128,7 +175,9 @@ fi
 if [ -f "$state/manifest" ]; then
   die "$dir is already patched by vToken ($(sed -n 's/^hash //p' "$state/manifest")); run ./apply.sh --reverse first"
 fi
+[ -d "$state" ] && die "an earlier apply to $dir stopped half-way: ./apply.sh --reverse undoes it"
 [ -d "$dir/vllm/vtoken" ] && die "$dir/vllm/vtoken exists but no $STATE_NAME/manifest: patched by hand? Restore a clean vLLM first"
+command -v patch >/dev/null || die "needs patch(1) (e.g. apt-get install patch)"
 
 mapfile -t entries < <(series_entries)
 [ "${#entries[@]}" -gt 0 ] || die "patches/series lists no patch"
@@ -171,21 +220,33 @@ if [ "$check" = 1 ]; then
   exit 0
 fi
 
-# Commit: pristine copies first, so a failure half-way can still be reversed.
+# Commit. First the pristine copies and the plan (what the tree will get), so
+# that --reverse can undo an apply stopped half-way; the manifest last.
 mkdir -p "$state"
 cp -a "$stage/orig" "$state/orig"
+declare -A newdir=()
+{
+  for f in "${!touched[@]}"; do echo "patched $f"; done
+  for f in "${ofiles[@]}"; do
+    echo "overlay $f"
+    d=$(dirname "$f")
+    while [ "$d" != . ] && [ ! -d "$dir/$d" ] && [ -z "${newdir[$d]:-}" ]; do
+      newdir[$d]=1; echo "newdir $d"; d=$(dirname "$d")
+    done
+  done
+} > "$state/plan.tmp"
+mv "$state/plan.tmp" "$state/plan"
 manifest="$state/manifest.tmp"
-{ echo "hash $(patchset_hash)"; echo "version $version"; } > "$manifest"
+{ echo "hash $(patchset_hash)"; echo "version $version"; grep '^newdir ' "$state/plan" || true; } > "$manifest"
 for f in "${!touched[@]}"; do
   cp "$stage/tree/$f" "$dir/$f"
-  echo "patched $(sha256sum < "$dir/$f" | cut -c1-64) $f" >> "$manifest"
+  echo "patched $(sha "$dir/$f") $f" >> "$manifest"
 done
 for f in "${ofiles[@]}"; do
-  d=$(dirname "$f")
-  while [ "$d" != . ] && [ ! -d "$dir/$d" ]; do echo "newdir $d" >> "$manifest"; d=$(dirname "$d"); done
   mkdir -p "$dir/$(dirname "$f")"
   cp "$OVERLAY/$f" "$dir/$f"
-  echo "overlay $(sha256sum < "$dir/$f" | cut -c1-64) $f" >> "$manifest"
+  echo "overlay $(sha "$dir/$f") $f" >> "$manifest"
 done
 mv "$manifest" "$state/manifest"
+rm -f "$state/plan"
 say "applied ${#entries[@]} patches and ${#ofiles[@]} overlay files to vLLM $version in $dir"

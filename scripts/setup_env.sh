@@ -7,6 +7,12 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
 cd "$VTOKEN_REPO"
 log() { echo "[setup] $*" >&2; }
+die() { echo "[setup] error: $*" >&2; exit 1; }
+
+# The lock is made on Python 3.11 (a 3.12 venv has no setuptools, which torch
+# imports when vLLM serves).
+python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' ||
+  die "needs Python 3.11 as python3 (found $(python3 --version 2>&1))"
 
 need_apt=()
 command -v patch >/dev/null || need_apt+=(patch)
@@ -21,6 +27,11 @@ fi
 if vtoken_has_cuda; then lock=requirements/cuda.txt deps=(); else lock=requirements/cpu.lock deps=(--no-deps); fi
 key=$( { cat "$lock" requirements/data.txt; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
 if [ "$(cat "$VTOKEN_VENV/.vtoken-env-key" 2>/dev/null)" != "$key" ]; then
+  # Rebuilt from scratch: never a folder this script did not make.
+  if [ -d "$VTOKEN_VENV" ] && [ ! -e "$VTOKEN_VENV/.vtoken-env-key" ] &&
+     [ -n "$(ls -A "$VTOKEN_VENV")" ]; then
+    die "$VTOKEN_VENV exists and was not built here: remove it, or set VTOKEN_VENV to a new folder"
+  fi
   log "building $VTOKEN_VENV from $lock (first time: several minutes, a few GB)"
   vtoken_new_venv "$VTOKEN_VENV"
   "$VTOKEN_PY" -m pip install -q "${deps[@]}" -r "$lock"

@@ -52,12 +52,34 @@ def tree_digest(root: pathlib.Path) -> dict[str, str]:
     }
 
 
-def run_apply(*args, repo: pathlib.Path = REPO) -> subprocess.CompletedProcess:
+def run_apply(
+    *args, repo: pathlib.Path = REPO, env: dict | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(repo / "apply.sh"), *map(str, args)],
         capture_output=True,
         text=True,
+        env=env,
     )
+
+
+def failing_cp(tmp_path, match: str, after: int) -> dict:
+    """An environment whose `cp` fails (a full disk, a kill) at its `after`-th
+    call naming `match`: apply.sh stopped half-way."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    cp = bin_dir / "cp"
+    cp.write_text(
+        "#!/bin/bash\n"
+        f'case "$*" in *{match}*)\n'
+        f'  n=$(($(cat {tmp_path}/cp.n 2>/dev/null || echo 0) + 1))\n'
+        f"  echo $n > {tmp_path}/cp.n\n"
+        f'  [ "$n" -lt {after} ] || {{ echo "cp: No space left" >&2; exit 1; }} ;;\n'
+        "esac\n"
+        'exec /bin/cp "$@"\n'
+    )
+    cp.chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +227,46 @@ def test_offset_hunk_is_refused(mini_tree):
     r = run_apply(mini_tree)
     assert r.returncode != 0
     assert "offset or fuzz" in r.stderr or "does not apply cleanly" in r.stderr
+    assert tree_digest(mini_tree) == before
+
+
+def test_an_apply_stopped_half_way_is_undone_by_reverse(mini_tree, tmp_path):
+    """Stopped while copying the overlay, the patched files already written:
+    the tree was half-patched, and neither apply nor reverse would touch it
+    (found by review). Now apply names the way back, and reverse takes it."""
+    before = tree_digest(mini_tree)
+    r = run_apply(mini_tree, env=failing_cp(tmp_path, "vllm_overlay/", 5))
+    assert r.returncode != 0 and "No space left" in r.stderr
+    assert tree_digest(mini_tree) != before  # half-patched
+    r = run_apply(mini_tree)
+    assert r.returncode != 0 and "stopped half-way: ./apply.sh --reverse" in r.stderr
+    r = run_apply("--reverse", mini_tree)
+    assert r.returncode == 0 and "undid an apply that stopped half-way" in r.stdout
+    assert tree_digest(mini_tree) == before
+    assert run_apply(mini_tree).returncode == 0  # and applies again
+
+
+def test_a_reverse_stopped_half_way_is_finished_by_reverse(mini_tree, tmp_path):
+    before = tree_digest(mini_tree)
+    assert run_apply(mini_tree).returncode == 0
+    r = run_apply("--reverse", mini_tree, env=failing_cp(tmp_path, ".vtoken/orig", 3))
+    assert r.returncode != 0
+    r = run_apply("--reverse", mini_tree)  # files restored already: as they were
+    assert r.returncode == 0, r.stderr
+    assert tree_digest(mini_tree) == before
+
+
+def test_a_vllm_reinstalled_over_it_is_cleaned_by_reverse(mini_tree, pristine):
+    """pip puts vLLM's files back, not vllm/vtoken nor .vtoken: --verify
+    tells (setup reapplies), and reverse removes what pip left behind."""
+    before = tree_digest(mini_tree)
+    assert run_apply(mini_tree).returncode == 0
+    assert run_apply("--verify", mini_tree).returncode == 0
+    for rel in touched_files():  # the reinstall
+        shutil.copy2(pristine / rel, mini_tree / rel)
+    assert run_apply("--verify", mini_tree).returncode == 1
+    r = run_apply("--reverse", mini_tree)
+    assert r.returncode == 0, r.stderr
     assert tree_digest(mini_tree) == before
 
 

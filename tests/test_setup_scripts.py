@@ -370,3 +370,20 @@ def test_pristine_refuses_foreign_dest(tmp_path: Path) -> None:
     assert res.returncode == 1
     assert "holds notes.txt, not a vLLM tree" in res.stderr
     assert tree_files(dest) == {"notes.txt": "mine"}
+
+
+def test_setup_never_replaces_a_folder_it_did_not_build(tmp_path: Path) -> None:
+    """VTOKEN_VENV moves the environment; pointed at an existing one of the
+    user's, setup rebuilt it (rm -rf) for want of its key file (found by
+    review). It now stops first, the folder untouched."""
+    theirs = tmp_path / "my-env"
+    (theirs / "bin").mkdir(parents=True)
+    (theirs / "bin" / "python").write_text("# the user's\n")
+    env = dict(os.environ, VTOKEN_VENV=str(theirs))
+    res = subprocess.run(
+        ["bash", str(SCRIPTS / "setup_env.sh")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 1
+    assert "exists and was not built here" in res.stderr
+    assert (theirs / "bin" / "python").read_text() == "# the user's\n"

@@ -27,14 +27,15 @@ vtoken_runtime_env() {
 }
 
 # Apply the series (patches + overlay) to the vLLM that Python $1 imports, unless
-# that exact series is already there (an older one is reversed first). Sets
-# VTOKEN_SITE (the folder holding vllm/) and VTOKEN_SERIES (the series hash).
+# that exact series is already there intact (anything else of vToken's, an older
+# series, a half-finished apply, a vLLM reinstalled over it, is reversed first).
+# Sets VTOKEN_SITE (the folder holding vllm/) and VTOKEN_SERIES (the series hash).
 vtoken_apply_series() {
   VTOKEN_SITE=$("$1" -c 'import importlib.util as u, os; print(os.path.dirname(list(u.find_spec("vllm").submodule_search_locations)[0]))')
   VTOKEN_SERIES=$("$VTOKEN_REPO/apply.sh" --print-hash)
   local have=$(sed -n 's/^hash //p' "$VTOKEN_SITE/.vtoken/manifest" 2>/dev/null || true)
-  if [ "$have" != "$VTOKEN_SERIES" ]; then
-    [ -z "$have" ] || "$VTOKEN_REPO/apply.sh" --reverse "$VTOKEN_SITE" >&2
+  if [ "$have" != "$VTOKEN_SERIES" ] || ! "$VTOKEN_REPO/apply.sh" --verify "$VTOKEN_SITE"; then
+    [ ! -d "$VTOKEN_SITE/.vtoken" ] || "$VTOKEN_REPO/apply.sh" --reverse "$VTOKEN_SITE" >&2
     "$VTOKEN_REPO/apply.sh" "$VTOKEN_SITE" >&2
   else
     echo "[setup] patches up to date ($VTOKEN_SERIES) in $VTOKEN_SITE" >&2
