@@ -72,7 +72,7 @@ def failing_cp(tmp_path, match: str, after: int) -> dict:
     cp.write_text(
         "#!/bin/bash\n"
         f'case "$*" in *{match}*)\n'
-        f'  n=$(($(cat {tmp_path}/cp.n 2>/dev/null || echo 0) + 1))\n'
+        f"  n=$(($(cat {tmp_path}/cp.n 2>/dev/null || echo 0) + 1))\n"
         f"  echo $n > {tmp_path}/cp.n\n"
         f'  [ "$n" -lt {after} ] || {{ echo "cp: No space left" >&2; exit 1; }} ;;\n'
         "esac\n"

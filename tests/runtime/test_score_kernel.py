@@ -241,7 +241,11 @@ new = extra_peak(lambda: cpu_token_attention(q, kc, vc, out, plan, D**-0.5, scor
 assert abs(scores.total - L * HQ) < 1, scores.total
 k2 = torch.randn(2048, H, D)
 old = extra_peak(lambda: attention_mass(q[:2048], k2, D**-0.5))
-print(f"PEAK new_8k={new / MIB:.0f} old_2k={old / MIB:.0f} MiB")
+# The read with no scores (a resume under StreamingLLM): torch's flash path.
+R = 4096
+plan = build_cpu_read_plan(np.array([0, R]), np.array([0, R]), torch.arange(R), B, H)
+read = extra_peak(lambda: cpu_token_attention(q[:R], kc, vc, out[:R], plan, D**-0.5))
+print(f"PEAK new_8k={new / MIB:.0f} old_2k={old / MIB:.0f} read_4k={read / MIB:.0f} MiB")
 """
 
 
@@ -259,10 +263,12 @@ def test_scoring_an_8k_prefill_on_cpu_stays_under_256_mib():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("PEAK"))
-    new, old = (int(x.split("=")[1].split()[0]) for x in line.split()[1:3])
+    new, old, read = (int(x.split("=")[1].split()[0]) for x in line.split()[1:4])
     print(line)
     assert new < 256, line
     assert old > 256, line  # the dense probabilities at a quarter of the length
+    # Unscored, 3-D SDPA took torch's math path: [8, 4k, 4k] fp32 logits.
+    assert read < 256, line
 
 
 def test_window_rows_are_the_prompts_last_queries_whatever_the_chunks():
