@@ -245,7 +245,8 @@ old = extra_peak(lambda: attention_mass(q[:2048], k2, D**-0.5))
 R = 4096
 plan = build_cpu_read_plan(np.array([0, R]), np.array([0, R]), torch.arange(R), B, H)
 read = extra_peak(lambda: cpu_token_attention(q[:R], kc, vc, out[:R], plan, D**-0.5))
-print(f"PEAK new_8k={new / MIB:.0f} old_2k={old / MIB:.0f} read_4k={read / MIB:.0f} MiB")
+mib = [round(x / MIB) for x in (new, old, read)]
+print("PEAK new_8k={} old_2k={} read_4k={} MiB".format(*mib))
 """
 
 
