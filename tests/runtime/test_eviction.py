@@ -272,10 +272,19 @@ def test_persistence_counts_steps_at_or_above_uniform_attention():
     for mass in ([0.5, 0.49, 1.0, 0.01], [0.1, 0.6, 1.2, 0.1]):
         fold(acc, keys, [mass], norm=2.0)
     assert acc.scores("a", np.array([1, 2, 3, 4])).tolist() == [1.0, 1.0, 2.0, 0.0]
-    # Per-request query and key counts: a 3-query prefill over 2 keys, then a
-    # decode over 3: 2*2 >= 2*3 is False; 0.3*3 >= 2*1 is False.
-    fold(acc, {"p": [0, 1], "d": [0, 1, 2]}, [[2.0, 2.0, 0.3, 0.3, 0.3]], 2.0, [3, 1])
-    assert acc.scores("p", np.arange(2)).tolist() == [0.0, 0.0]
+    # Per-request query and key counts: a 2-query prefill over 3 keys, then a
+    # decode over 3. The prefill's key 2 is seen by its last row only (3
+    # keys): uniform gives it 1/3; keys 0 and 1 by both rows: 1/2 + 1/3.
+    # Norm 2: 1.6 >= 2 * 5/6 is False, 1.7 is True; 0.7 >= 2/3 is True.
+    # The decode: 0.3 * 3 >= 2 * 1 is False.
+    fold(
+        acc,
+        {"p": [0, 1, 2], "d": [0, 1, 2]},
+        [[1.6, 1.7, 0.7] + [0.3] * 3],
+        2.0,
+        [2, 1],
+    )
+    assert acc.scores("p", np.arange(3)).tolist() == [0.0, 1.0, 1.0]
     assert acc.scores("d", np.arange(3)).tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(AssertionError):
         ScoreAccumulator("max")

@@ -47,10 +47,29 @@ def test_folds_and_reads_equal_a_per_request_reference(window):
         np.testing.assert_array_equal(got, np.asarray(want, np.float32))
 
 
+def persistence_reference(mass, indptr, queries, norm) -> np.ndarray:
+    """Key p of K, Q queries last: a decode's at least 1 / K of the mass
+    (mass * K >= norm, ties exact); a prefill's at least what uniform
+    attention gives it over the rows that see it, sum_{m > max(K - Q, p)}
+    1 / m (summed from 1 / K down, as the kernel does)."""
+    out = []
+    for r in range(len(indptr) - 1):
+        k, q = indptr[r + 1] - indptr[r], min(queries[r], indptr[r + 1] - indptr[r])
+        for p in range(k):
+            m = float(mass[indptr[r] + p])
+            if q <= 1:
+                out.append(m * k >= norm * queries[r])
+            else:
+                uniform = 0.0
+                for x in range(k, max(k - q, p), -1):
+                    uniform += 1.0 / x
+                out.append(m >= norm * uniform)
+    return np.asarray(out, np.float32)
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_the_compiled_persistence_gain_is_the_numpy_one(seed):
-    # A key is important when mass * keys >= norm * queries (float64), ties
-    # included: integer masses make exact ties common.
+def test_the_compiled_persistence_gain_is_the_reference(seed):
+    # Ties included: integer masses make exact decode ties common.
     from vllm.vtoken import fold_kernels
 
     rng = np.random.default_rng(seed)
@@ -58,20 +77,39 @@ def test_the_compiled_persistence_gain_is_the_numpy_one(seed):
     indptr = np.r_[0, np.cumsum(klen)]
     mass = rng.integers(0, 6, indptr[-1]).astype(np.float32)
     mass[rng.random(mass.size) < 0.5] *= 0.37
-    queries = rng.integers(1, 5, klen.size)
+    queries = np.where(rng.random(klen.size) < 0.5, 1, rng.integers(2, 50, klen.size))
     norm = float(rng.integers(1, 9))
-    want = mass * np.repeat(klen, klen) >= norm * np.repeat(queries, klen)
     got = fold_kernels.persistence_gain(mass, indptr, queries, norm)
     assert got.dtype == np.float32
-    np.testing.assert_array_equal(got, want.astype(np.float32))
+    np.testing.assert_array_equal(
+        got, persistence_reference(mass, indptr, queries, norm)
+    )
     assert 0 < got.sum() < got.size
+
+
+def test_uniform_attention_over_a_prefill_makes_every_key_important():
+    """Causal uniform attention over a 100-token prompt: row i gives each of
+    its i + 1 keys 1 / (i + 1). Every key got what uniform attention gives,
+    so every key is important; averaged over all 100 rows, keys 37-99 (seen
+    by fewer rows) read as unimportant (found by review)."""
+    from vllm.vtoken import fold_kernels
+
+    n, norm = 100, 4.0  # 4 heads x layers, each uniform
+    mass = np.array([sum(1 / (i + 1) for i in range(p, n)) for p in range(n)])
+    mass = (mass * norm).astype(np.float32) * np.float32(1 + 1e-6)  # float32 round
+    got = fold_kernels.persistence_gain(mass, np.array([0, n]), np.array([n]), norm)
+    assert got.all()
+    # A key given less than that is not: half of uniform, every key.
+    got = fold_kernels.persistence_gain(mass / 2, np.array([0, n]), np.array([n]), norm)
+    assert not got.any()
 
 
 @pytest.mark.parametrize("mode", ["sum", "persistence"])
 def test_take_step_gains_are_numpys_to_the_bit(mode):
     """The worker's one compiled pass (fold_kernels.step_gains) against the
     NumPy it replaced: mass / norm in float32 (NumPy's promotion), or the
-    persistence flags; requests without keys left out of the step."""
+    persistence flags (the reference above); requests without keys left out
+    of the step."""
     import torch
 
     from vllm.vtoken.scores import ScoreAccumulator
@@ -90,7 +128,7 @@ def test_take_step_gains_are_numpys_to_the_bit(mode):
     if mode == "sum":
         want = (mass / 6.0).astype(np.float32)
     else:
-        want = mass * np.repeat(klen, klen) >= 6.0 * np.repeat(np.diff(qsl), klen)
+        want = persistence_reference(mass, indptr, np.diff(qsl), 6.0)
     np.testing.assert_array_equal(step.gain, want.astype(np.float32))
     read = klen.nonzero()[0]
     assert step.req_ids == [rids[r] for r in read]

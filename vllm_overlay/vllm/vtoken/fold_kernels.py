@@ -112,16 +112,35 @@ def gather(rows, seg, idx, start, cap, acc):
 
 @numba.njit(_f32(_f32, _i64, _i64, numba.float64), **_jit)
 def persistence_gain(mass, indptr, num_queries, norm):
-    """float32 per key: 1 where request r's key j (j in [indptr[r],
-    indptr[r + 1])) was important this step, its mean probability
-    mass / (norm * num_queries[r]) at least 1 / keys, compared without
-    dividing (ScoreAccumulator.take_step's "persistence" gain, to the bit)."""
+    """float32 per key: 1 where request r's key p (its keys [indptr[r],
+    indptr[r + 1]), K of them, the step's Q queries last) was important this
+    step: its probability mass / norm, summed over the query rows that see it,
+    at least what uniform attention gives it over those rows.
+
+    A decode row sees every key: mass / norm >= 1 / K (compared as
+    mass * K >= norm, no division). A prefill row i sees the K - Q + i + 1
+    keys up to its own (causal), so key p is seen by rows max(0, p - K + Q)
+    on and uniform attention gives it sum_{m = max(K - Q, p) + 1}^{K} 1 / m.
+    Averaged over all Q rows instead, the prompt's later keys, seen by fewer
+    rows, read as unimportant whatever they got (63 of 100 under uniform
+    attention)."""
     out = np.empty(mass.size, np.float32)
     for r in range(indptr.size - 1):
-        keys = np.float64(indptr[r + 1] - indptr[r])
-        bar = norm * np.float64(num_queries[r])
-        for j in range(indptr[r], indptr[r + 1]):
-            out[j] = 1.0 if np.float64(mass[j]) * keys >= bar else 0.0
+        lo, k = indptr[r], indptr[r + 1] - indptr[r]
+        q = min(num_queries[r], k)
+        if q <= 1:
+            keys = np.float64(k)
+            bar = norm * np.float64(num_queries[r])
+            for j in range(lo, lo + k):
+                out[j] = 1.0 if np.float64(mass[j]) * keys >= bar else 0.0
+            continue
+        off = k - q  # keys every row sees: [0, off]
+        uniform = 0.0  # sum_{m = p + 1}^{K} 1 / m, for p from K - 1 down
+        for p in range(k - 1, off - 1, -1):
+            uniform += 1.0 / np.float64(p + 1)
+            out[lo + p] = 1.0 if np.float64(mass[lo + p]) >= norm * uniform else 0.0
+        for p in range(off):
+            out[lo + p] = 1.0 if np.float64(mass[lo + p]) >= norm * uniform else 0.0
     return out
 
 

@@ -28,8 +28,10 @@ zero when it first appears.
                    (`window_rows`, whatever the chunks; a decode step's row):
                    a prefill scores the prompt by its observation window
                    (SnapKV)
-    "persistence"  imp = 1 if mass / (norm * num_queries) >= 1 / num_keys
-                   (the token was important this step; Scissorhands), then
+    "persistence"  imp = 1 if mass / norm >= what uniform attention gives
+                   the key over the query rows that see it (a decode row:
+                   1 / num_keys; fold_kernels.persistence_gain) (the token
+                   was important this step; Scissorhands), then
                    acc += (imp - acc) / window: the moving average of imp
                    over `window` steps (acc += imp without a window)
 
