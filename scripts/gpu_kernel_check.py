@@ -16,7 +16,8 @@ overlay import (triton_utils, logger, platforms, batch_invariant); the overlay's
                   heads and a wide GQA group), rel error
     decode_time   stock vs vToken read vs score-only, ms (CUDA events, medians)
     score_memory  peak extra memory of scoring an 8k-token prefill (and dense)
-    syncs         host syncs in one layer's read + score
+    syncs         host syncs in a step's read: its plan uploaded through the
+                  worker's stage, two layers' read + score
 
 `--tiny` runs small sizes; without CUDA it runs on CPU under TRITON_INTERPRET=1
 (fp16 for the math: the interpreter's bf16 dot is wrong) and reports timing,
@@ -64,13 +65,13 @@ SHIM = {  # module of the fake vllm package -> its source
 # heads (Hq, Hkv, D), wide (a large GQA group: the score kernel's tile
 # shrinks its query rows for it); copy (layers, blocks, H, D, moves); read and
 # score (sequence lengths, query lengths); decode (requests, context); memory
-# (tokens)
+# (tokens); syncs (sequence lengths, query lengths)
 TINY = dict(
     heads=(6, 2, 32), wide=(16, 1, 32), copy=(2, 8, 2, 32, 20),
     score=([40, 25, 19, 5], [1, 6, 19, 0]),
     read=dict(decode=([40, 7, 23], [1] * 3), prefill=([9, 21],) * 2,
               chunked=([30, 20], [4, 6])),
-    decode=[(1, 64), (4, 128)], memory=256,
+    decode=[(1, 64), (4, 128)], memory=256, syncs=([30, 8, 50], [1, 8, 20]),
 )  # fmt: skip
 FULL = dict(
     heads=(32, 8, 128), wide=(48, 1, 128), copy=(8, 2048, 8, 128, 8192),
@@ -79,6 +80,7 @@ FULL = dict(
               prefill=([1024, 300, 2000],) * 2,
               chunked=([1500, 900, 4000], [256, 1, 512])),
     decode=[(r, n) for r in (1, 8, 64, 256) for n in (512, 2048)], memory=8192,
+    syncs=([300, 40, 1000], [1, 40, 200]),
 )  # fmt: skip
 
 
@@ -333,21 +335,44 @@ def check_score_memory(c):
 
 
 def check_syncs(c):
+    """Host syncs in a step's read as the worker makes it: the plan built from
+    NumPy slots and uploaded through its persistent stage (one non-blocking
+    copy), then two layers' read and scores. Run on CPU too (--tiny), so the
+    path does not rot; counted on a GPU only."""
+    from vllm.vtoken.context import TokenRead
     from vllm.vtoken.scores import ScoreAccumulator
+    from vllm.vtoken.staging import HostToDevice
+    from vllm.vtoken.triton_attention import triton_forward
+    from vllm.vtoken.triton_plan import build_triton_read_plan
 
+    b = make_batch(c, *c.syncs)
+    acc, stage = ScoreAccumulator("sum", c.dev), HostToDevice(c.dev)
+    out, slots = torch.zeros_like(b["q"]), b["slots"].cpu().numpy()
+    write = np.array([True, False, True])  # rows mixed: one read for scores only
+    group = b["q"].shape[1] // b["cache"].shape[3]
+
+    def step():
+        plan = build_triton_read_plan(
+            b["qsl"], b["indptr"], slots, 16, write, scored=True,
+            score_group=group, stage=stage,
+        )  # fmt: skip
+        acc.begin_step(slots.size)
+        read = TokenRead(
+            query_start_loc=b["qsl"], kv_indptr=b["indptr"], kv_slots=plan.kv_slots,
+            plan=plan, scores=acc, with_stock=True,
+        )  # fmt: skip
+        for _layer in range(2):
+            triton_forward(read, b["q"], b["cache"], out, b["scale"])
+
+    step()  # compiled before counting
     if not c.gpu:
-        return {"syncs": None}
-    b = make_batch(c, [300, 40, 1000], [1, 40, 200])
-    acc = ScoreAccumulator("sum", c.dev)
-    out = torch.zeros_like(b["q"])
-    layer = vtoken_read(b, out, acc, np.array([True, False, True]))  # rows mixed
-    layer()  # compiled before counting
+        return {"syncs": None, "ok": bool(out.abs().sum() > 0)}
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            layer()
+            step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
     syncs = sum("synchroniz" in str(w.message) for w in seen)
