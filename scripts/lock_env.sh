@@ -14,6 +14,8 @@ vtoken_new_venv "$tmp/venv"
 "$tmp/venv/bin/pip" install -q -r requirements/cpu.in
 "$tmp/venv/bin/pip" install -q --no-deps -r requirements/data.txt
 sed -n '1,/^[^#]/{/^#/p}' requirements/cpu.lock > requirements/cpu.lock.new  # its leading comments
-"$tmp/venv/bin/pip" freeze >> requirements/cpu.lock.new
+# --all: setuptools too (cpu.in pins it; a plain freeze leaves it out, and a
+# new venv's own copy stands in). pip itself is the venv's.
+"$tmp/venv/bin/pip" freeze --all --exclude pip >> requirements/cpu.lock.new
 mv requirements/cpu.lock.new requirements/cpu.lock
 echo "requirements/cpu.lock regenerated; review with git diff"

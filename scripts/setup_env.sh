@@ -9,8 +9,7 @@ cd "$VTOKEN_REPO"
 log() { echo "[setup] $*" >&2; }
 die() { echo "[setup] error: $*" >&2; exit 1; }
 
-# The lock is made on Python 3.11 (a 3.12 venv has no setuptools, which torch
-# imports when vLLM serves).
+# The lock is made and tested on Python 3.11 only (ENVIRONMENT.md's recipe).
 python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' ||
   die "needs Python 3.11 as python3 (found $(python3 --version 2>&1))"
 

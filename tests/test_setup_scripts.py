@@ -387,3 +387,32 @@ def test_setup_never_replaces_a_folder_it_did_not_build(tmp_path: Path) -> None:
     assert res.returncode == 1
     assert "exists and was not built here" in res.stderr
     assert (theirs / "bin" / "python").read_text() == "# the user's\n"
+
+
+def test_the_lock_pins_every_requirement_within_its_range() -> None:
+    """requirements/cpu.lock is what setup installs (--no-deps): each
+    requirement of cpu.in that applies here must be pinned in it, at a
+    version the requirement admits. It lacked setuptools (lock_env.sh froze
+    without --all), so a new venv kept its own 65.5.0 against cpu.in's
+    ==77.0.3 (found by review)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    req_dir = REPO / "requirements"
+    pins = {}
+    for line in (req_dir / "cpu.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version
+    wanted = [
+        Requirement(line)
+        for line in (req_dir / "cpu.in").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    wrong = [
+        f"{r}: locked at {pins.get(canonicalize_name(r.name))}"
+        for r in wanted
+        if (r.marker is None or r.marker.evaluate())
+        and not r.specifier.contains(pins.get(canonicalize_name(r.name), "none"))
+    ]
+    assert not wrong, wrong
