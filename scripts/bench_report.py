@@ -210,7 +210,14 @@ def sla_section(d: dict, img: str) -> list[str]:
         f"server (`vllm serve`, pool {d['pool']} blocks, H2O budget {d['budget']}) "
         "driven by the upstream `vllm bench serve` on "
         f"{d['prompts']} prompts, {d['num_prompts']} "
-        f"prompts, output length {d['gen_len']}. SLA: p95 end-to-end latency within "
+        f"prompts, output length {d['gen_len']}"
+        + (
+            f" (EOS ignored; max_model_len {d['max_model_len']}: every request "
+            "served whole in every mode)"
+            if "max_model_len" in d
+            else ""
+        )
+        + f". SLA: p95 end-to-end latency within "
         f"1.05x native's at the lowest rate ({d['sla_p95_ms']:.0f} ms).",
         "",
         "| mode | "

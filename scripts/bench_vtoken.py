@@ -37,7 +37,15 @@ MODES = [
 RECLAIMS = ("naive", "vtoken")  # the memory experiment runs every policy in both
 COUNTERS = ("evicted_tokens", "moved_tokens", "reclaimed_blocks")
 PREFIX_COUNTERS = ("evacuated_blocks", "tight_plans", "moved_tokens")
-SLA_FIELDS = ("output_throughput", "p95_e2el_ms", "p50_e2el_ms", "completed")
+SLA_FIELDS = (
+    "output_throughput",
+    "p95_e2el_ms",
+    "p50_e2el_ms",
+    "completed",
+    "total_output_tokens",
+)
+# `vllm bench serve` keeps ShareGPT prompts of up to this many tokens.
+SHAREGPT_MAX_PROMPT = 1024
 
 
 def workload(args, n: int | None, min_tokens: int) -> dict:
@@ -232,23 +240,49 @@ def plot_capacity(data: dict, png: pathlib.Path) -> None:
 
 
 def sla_dataset(args) -> dict:
-    """`vllm bench serve`'s prompts: ShareGPT, or random ids of --prompt-len."""
+    """`vllm bench serve`'s prompts: ShareGPT, or random ids of --prompt-len;
+    --gen-len tokens each, EOS ignored: every mode generates the same tokens
+    (a mode stopping at EOS sooner would look faster; dummy weights sample
+    EOS at random)."""
     if args.prompts == "sharegpt":
-        return {
+        data = {
             "dataset_name": "sharegpt",
             "dataset_path": os.environ["VTOKEN_SHAREGPT"],
             "sharegpt_output_len": args.gen_len,
         }
-    return {
-        "dataset_name": "random",
-        "random_input_len": args.prompt_len,
-        "random_output_len": args.gen_len,
-        "ignore_eos": True,  # dummy weights sample EOS at random
-    }
+    else:
+        data = {
+            "dataset_name": "random",
+            "random_input_len": args.prompt_len,
+            "random_output_len": args.gen_len,
+        }
+    return {**data, "ignore_eos": True}
+
+
+def sla_max_model_len(args) -> int:
+    """Room for the longest prompt the dataset sends and its output: a
+    request past it is an HTTP 400, and the run would time the others."""
+    longest = SHAREGPT_MAX_PROMPT if args.prompts == "sharegpt" else args.prompt_len
+    return longest + args.gen_len
+
+
+def check_sla_run(res: dict, args, what: str, log: pathlib.Path) -> None:
+    """Every request completed with its --gen-len tokens, or RuntimeError."""
+    want = args.num_prompts
+    if res["completed"] != want or res["total_output_tokens"] != want * args.gen_len:
+        raise RuntimeError(
+            f"{what}: {res['completed']} of {want} requests completed, "
+            f"{res['total_output_tokens']} of {want * args.gen_len} tokens "
+            f"(the server's log: {log})"
+        )
 
 
 def cmd_sla(args) -> dict:
-    engine = {"max_model_len": 1024, "max_num_seqs": 64, **engine_args(args)}
+    engine = {
+        "max_model_len": sla_max_model_len(args),
+        "max_num_seqs": 64,
+        **engine_args(args),
+    }
     model = engine.pop("model", None) or os.environ["VTOKEN_MODEL_DIR"]
     results = {}
     for mode, policy, reclaim in MODES:
@@ -273,6 +307,7 @@ def cmd_sla(args) -> dict:
                     metric_percentiles="50,95",
                     **sla_dataset(args),
                 )
+                check_sla_run(res, args, f"sla {mode} rate {rate}", log)
                 results[f"{mode}/{rate}"] = {k: res[k] for k in SLA_FIELDS}
                 print(
                     f"sla {mode:7s} rate {rate}: {res['output_throughput']:.1f} tok/s "
@@ -286,6 +321,7 @@ def cmd_sla(args) -> dict:
         best[mode] = max(ok, default=0.0)
     return {
         **pick(args, "rates", "pool", "budget", "num_prompts", "gen_len", "prompts"),
+        "max_model_len": engine["max_model_len"],
         "sla_p95_ms": sla,
         "best_throughput": best,
         "results": results,

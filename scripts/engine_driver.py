@@ -40,6 +40,7 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
               its last step (score-based policies)
 """
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -191,7 +192,9 @@ def random_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int):
 
 def block_state(sched, histogram: bool) -> dict:
     """Blocks and live tokens held by running requests, from the scheduler, and
-    (`histogram`) how many held blocks have 0..B live tokens."""
+    (`histogram`) how many held blocks have 0..B of the holder's live tokens:
+    a block two requests share (the prefix cache) counts for each, with the
+    tokens each still has live (the pool's `block_live` counts both's)."""
     B, vt = sched.block_size, getattr(sched, "vtoken", None)
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
     out, hist = {"held": {}, "live": {}}, [0] * (B + 1)
@@ -202,10 +205,14 @@ def block_state(sched, histogram: bool) -> dict:
         if vt is None:  # native: the computed tokens fill the blocks in order
             out["live"][rid] = n
             fills = (n - i * B for i in range(len(blocks)))
+        elif rid not in vt.pool:  # no table yet: no live count (memory_figures)
+            fills = (0 for _ in blocks)
         else:
-            if rid in vt.pool:
-                out["live"][rid] = vt.pool.num_live(rid)
-            fills = (int(vt.pool.block_live[b.block_id]) for b in blocks)
+            out["live"][rid] = vt.pool.num_live(rid)
+            if histogram:
+                _, _, slots = vt.pool.live_tokens(vt.pool.rows([rid]))
+                own = collections.Counter((slots // B).tolist())
+                fills = (own[b.block_id] for b in blocks)
         for fill in fills if histogram else ():
             hist[max(0, min(B, fill))] += 1
     return {**out, "hist": hist} if histogram else out

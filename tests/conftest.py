@@ -9,6 +9,7 @@ loudly when the two disagree.
 """
 
 import hashlib
+import importlib.util
 import os
 import pathlib
 import sys
@@ -22,6 +23,18 @@ OVERLAY = REPO / "vllm_overlay" / "vllm"
 # covers it too (tests/plugin_site/vtoken_oldest).
 PLUGIN_SITE = REPO / "tests" / "plugin_site"
 sys.path.insert(0, str(PLUGIN_SITE))
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module. scripts/ is not a package, and its
+    scripts import each other from their folder: that folder goes on
+    sys.path."""
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, REPO / f"scripts/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _prefer_repo_overlay() -> None:

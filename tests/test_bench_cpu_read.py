@@ -4,23 +4,15 @@ it names. The timings themselves are the benchmark's (docs/RESULTS.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import load_script
 
 pytest.importorskip("vllm._custom_ops")  # vLLM's CPU kernels, to time against
 
-sys.path.insert(0, str(REPO / "scripts"))
-
-_spec = importlib.util.spec_from_file_location(
-    "bench_cpu_read", REPO / "scripts/bench_cpu_read.py"
-)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("bench_cpu_read")
 
 TINY = ["--requests", "2", "--context", "32", "48", "--live", "20", "--iters", "3"]
 

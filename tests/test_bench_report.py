@@ -5,17 +5,11 @@ or a hand edit of RESULTS.md, fails here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 
-# scripts/ is not a package: loaded by path, as the other script tests do.
-_spec = importlib.util.spec_from_file_location(
-    "bench_report", REPO / "scripts/bench_report.py"
-)
-bench_report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_report)
+bench_report = load_script("bench_report")
 
 
 def test_results_md_is_the_report_of_the_committed_measurements():

@@ -5,21 +5,11 @@ The engine runs themselves are the e2e tests' and the benchmark's."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import load_script
 
-# scripts/ is not a package, and bench_vtoken imports engine_driver from its
-# own folder: loaded by path with that folder on sys.path.
-sys.path.insert(0, str(REPO / "scripts"))
-_spec = importlib.util.spec_from_file_location(
-    "bench_vtoken", REPO / "scripts/bench_vtoken.py"
-)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("bench_vtoken")
 
 
 def driver_run(step_ms, vtoken_ns, running, planner_ns=0, plan_calls=0, evicted=0):
@@ -105,11 +95,7 @@ def test_a_row_is_the_median_of_its_runs():
 
 def report_of_one_row():
     """bench_report, and a scale result of one H2O row at 64 requests."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_report", REPO / "scripts/bench_report.py"
-    )
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load_script("bench_report")
     row = {"step_ms": 12.0, "step_ratio": 1.5, "host_ms": 2.0, "hook_calls": 95}
     row |= {"planner_ms": 1.0}
     d = {"command": "bench scale", "date": "today", "prompt_len": 64}
