@@ -377,7 +377,8 @@ def scale_section(d: dict, img: str) -> list[str]:
         out.append(
             f"| {int(n):,} | {policy} | {r['step_ms']:.1f} | {native:.1f} "
             f"| {r['step_ratio']:.2f} | {r['host_ms']:.2f} | {r['hook_calls']:,.0f} "
-            f"| {r['planner_ms']:.2f} |"
+            # "–": no step planned (H2O, SnapKV here), not a plan costing 0.
+            + (f"| {r['planner_ms']:.2f} |" if r.get("plan_calls", 1) else "| – |")
             + (
                 f" {r['probe_cold_us']:.0f} / {r['probe_warm_us']:.1f} |"
                 if probe
@@ -428,8 +429,17 @@ def split_table(d: dict) -> list[str]:
     ]
 
     def cell(r: dict, key: str) -> str:
-        then = r.get(f"before_{key}")
-        return f"{r[key]:.2f}" + (f" / {then:.2f}" if then is not None else "")
+        """Now (/ before): "–" for a kind of step that run never made."""
+
+        def one(prefix: str) -> str | None:
+            if f"{prefix}{key}" not in r:
+                return None
+            share = r.get(f"{prefix}plan_share", 0.5)
+            none = share == 0 if key == "host_ms_plan" else share == 1
+            return "–" if none else f"{r[f'{prefix}{key}']:.2f}"
+
+        then = one("before_")
+        return one("") + (f" / {then}" if then is not None else "")
 
     for key, r in rows.items():
         n, policy = key.split("/")

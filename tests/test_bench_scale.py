@@ -124,6 +124,20 @@ def test_the_report_splits_quiet_and_planning_steps_when_measured():
     assert "| 64 | h2o | 52% | 1.40 / 1.50 | 2.90 / 3.10 | 2.20 / 2.50 |" in new
 
 
+def test_a_cost_never_measured_reads_as_a_dash_not_zero():
+    # H2O and SnapKV never planned at these sizes: their "planner ms per
+    # plan" and "steps that plan" cells read 0.00, a plan that costs
+    # nothing (found by review).
+    report, d, row = report_of_one_row()
+    row |= {"planner_ms": 0.0, "plan_calls": 0, "plan_share": 0.0}
+    row |= {"host_ms_quiet": 1.4, "host_ms_plan": 0.0, "host_mean_ms": 1.4}
+    row |= {"before_plan_share": 0.0, "before_host_ms_plan": 0.0}
+    row |= {"before_host_ms_quiet": 1.5, "before_host_mean_ms": 1.5}
+    new = "\n".join(report.scale_section(d, "img"))
+    assert "| 64 | h2o | 12.0 | 8.0 | 1.50 | 2.00 | 95 | – |" in new
+    assert "| 64 | h2o | 0% | 1.40 / 1.50 | – / – | 1.40 / 1.50 |" in new
+
+
 def test_each_hooks_time_is_its_median_growth_over_the_steady_steps():
     # Two hooks' running totals over the run above's steps: per steady step
     # A grows by 3, 1 ms (median 2), B by 1, 1 (median 1); host = A + B.
