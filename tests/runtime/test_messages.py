@@ -117,6 +117,16 @@ def test_a_worker_takes_a_transported_step_as_its_own():
     assert worker.end_step().acked_batches == [0]
 
 
+def test_a_workers_output_counts_its_own_end_step_time():
+    """The output's running total of the worker's hook time includes the
+    end_step that makes it: it was read inside the timed call, so each
+    step's figure held the step before's end_step (found by review)."""
+    worker, _ = cpu_worker(num_blocks=4, block_size=16)
+    for _ in range(2):
+        out = worker.end_step()
+        assert out.host_ns == worker.counters.worker_ns > 0
+
+
 def test_the_workers_tables_keep_dead_listed_by_the_requests_own_policy():
     """`VTokenWorker._add` makes each table as the scheduler makes its own
     (EvictionRuntime.register, tests/runtime/test_eviction.py): a Random row
