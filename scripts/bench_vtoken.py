@@ -515,6 +515,11 @@ def versions(args) -> dict:
     an older series applied, put first on PYTHONPATH) when given."""
     out = {"vtoken": None}
     if args.baseline:
+        if not (args.baseline / "vllm" / "vtoken").is_dir():
+            raise SystemExit(
+                f"--baseline {args.baseline}: no vllm/vtoken/ there (a site "
+                "folder with an older series applied: docs/DEVELOPING.md)"
+            )
         out["before"] = {"PYTHONPATH": str(args.baseline)}
     return out
 

@@ -69,6 +69,9 @@ def run_driver(spec: dict, *, pristine=False, env=None, timeout=None) -> dict:
     full_env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     if pristine:
         full_env["PYTHONPATH"] = os.environ["VTOKEN_PRISTINE"]
+    # A run asked of another tree (stock, a --baseline overlay) must load its
+    # vLLM from there: an unusable folder falls back to the venv's, silently.
+    tree = full_env["PYTHONPATH"] if pristine or "PYTHONPATH" in (env or {}) else None
     with tempfile.TemporaryDirectory() as tmp:
         spec_f, out_f = pathlib.Path(tmp, "spec.json"), pathlib.Path(tmp, "out.json")
         spec_f.write_text(json.dumps(spec))
@@ -79,7 +82,18 @@ def run_driver(spec: dict, *, pristine=False, env=None, timeout=None) -> dict:
         if proc.returncode != 0:
             engine = "stock" if pristine else "patched"
             raise RuntimeError(f"engine run failed ({engine}):\n{proc.stderr[-6000:]}")
-        return json.loads(out_f.read_text())
+        result = json.loads(out_f.read_text())
+    check_tree(result["vllm_path"], tree)
+    return result
+
+
+def check_tree(loaded: str, tree: str | None) -> None:
+    """RuntimeError unless a run asked of `tree` loaded vLLM from inside it."""
+    if tree is None:
+        return
+    root = os.path.realpath(tree) + os.sep
+    if not (loaded + os.sep).startswith(root):
+        raise RuntimeError(f"the run loaded vLLM from {loaded}, not from {tree}")
 
 
 def cli_flags(options: dict) -> list[str]:
@@ -551,7 +565,10 @@ def main() -> None:
         result = driver.run(spec, "w0-", bool(spec.get("histogram")), calls)
         if calls:
             result.update(python_calls=calls["call"], c_calls=calls["c_call"])
+    import vllm
+
     vt = getattr(driver.sched, "vtoken", None)
+    result["vllm_path"] = os.path.realpath(os.path.dirname(vllm.__file__))
     result.update(
         block_size=driver.sched.block_size,
         counters=dataclasses.asdict(vt.counters) if vt is not None else None,

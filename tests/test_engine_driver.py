@@ -1,17 +1,21 @@
-"""The memory benchmark's block census (scripts/engine_driver.py block_state)
-on a real Token Table pool: what the memory table's histogram and non-live
-share are made of. The engine runs themselves are the benchmark's."""
+"""scripts/engine_driver.py's own arithmetic and checks: the memory
+benchmark's block census (block_state) on a real Token Table pool, and the
+check that a run loaded the vLLM it was asked for. The engine runs
+themselves are the e2e tests' and the benchmarks'."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from tests.conftest import load_script
 from vllm.vtoken.token_table import TokenTablePool
 
 engine_driver = load_script("engine_driver")
+bench = load_script("bench_vtoken")
 
 B = 4
 
@@ -58,3 +62,22 @@ def test_a_shared_block_counts_each_holders_own_live_tokens():
     assert state["live"] == {"a": 6, "b": 8}
     # a: block 0 with 2 live, block 1 with 4; b: both with 4.
     assert state["hist"] == [0, 0, 1, 0, 3]
+
+
+def test_a_run_of_another_tree_must_load_its_vllm_from_there(tmp_path: Path):
+    # --baseline put a folder first on PYTHONPATH; a folder without vLLM
+    # let the venv's load, and the "before" runs timed this overlay
+    # (found by review).
+    tree = tmp_path / "site"
+    engine_driver.check_tree(str(tree / "vllm"), str(tree))
+    engine_driver.check_tree("/venv/site-packages/vllm", None)  # nothing asked
+    with pytest.raises(RuntimeError, match="loaded vLLM from /venv/"):
+        engine_driver.check_tree("/venv/site-packages/vllm", str(tree))
+    with pytest.raises(RuntimeError, match="not from"):  # a sibling's prefix
+        engine_driver.check_tree(str(tmp_path / "site2" / "vllm"), str(tree))
+    with pytest.raises(SystemExit, match="no vllm/vtoken/ there"):
+        bench.versions(SimpleNamespace(baseline=tree))
+    (tree / "vllm" / "vtoken").mkdir(parents=True)
+    assert bench.versions(SimpleNamespace(baseline=tree))["before"] == {
+        "PYTHONPATH": str(tree)
+    }
