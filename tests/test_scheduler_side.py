@@ -225,6 +225,32 @@ def test_kv_written_after_the_first_eviction_is_not_cached():
     assert blocks[3].block_hash is None
 
 
+def test_caching_stops_at_an_eviction_before_the_first_full_block():
+    """A budget below the block size evicts before vLLM has cached a full
+    block of the request, so before it keeps a count for it: stopping the
+    caching did nothing then, and vLLM went on caching blocks written after
+    the eviction, which a new request with that prefix hit (found by
+    review). Nothing past the first eviction is cached now."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    kv, vt, a = setup("naive", caching=True, budget=2)
+    req = Request(
+        "A", [100, 101, 102], SamplingParams(max_tokens=16), None,
+        block_hasher=a._block_hasher,
+    )  # fmt: skip
+    vt._requests["A"] = req
+    step(kv, vt, req, 3, running=[])  # the prompt: no full block
+    for _ in range(6):  # the first step evicts token 1, of block 0
+        step(kv, vt, req, 1, running=[req])
+    assert vt.pool.has_dead("A")
+    listed = kv.coordinator.single_type_managers[0].req_to_blocks["A"]
+    assert len(listed) == 3
+    assert not any(b.block_hash is not None for b in listed)
+    assert cache_hits(kv, list(req.all_token_ids)) == 0
+    vt.check_integrity()
+
+
 def cache_hits(kv, prompt: list[int]) -> int:
     """Prompt tokens a new request with `prompt` finds in the prefix cache."""
     from vllm.sampling_params import SamplingParams
@@ -892,6 +918,7 @@ def test_a_resume_without_prefix_caching_leaves_vllm_s_counts_alone():
     kv, vt, req = setup("naive", caching=False)
     step(kv, vt, req, 12, running=[])
     step(kv, vt, req, 1, running=[req])  # tokens 1..6 die
+    assert "A" not in kv.coordinator.single_type_managers[0].num_cached_block
     preempt(kv, vt, req)
     vt.begin_step([])
     assert resume(kv, vt, req) == 0

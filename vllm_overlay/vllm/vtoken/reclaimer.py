@@ -138,11 +138,17 @@ class BlockReclaimer:
         it would read attention no model computed for it. vLLM caches a request's
         blocks from `num_cached_block[rid]` on, so moving that past any block
         count ends it; the blocks cached before its first eviction stay valid.
+        vLLM keeps no count until it caches a request's first full block (nor
+        makes one for a request with no hit): a budget below the block size
+        evicts before that, and the count is made here, as 0 then _NEVER. A
+        count marks a running request to vLLM (no new hits), which it is.
         """
-        if rid in self._num_cached_block:  # the running-request marker stays
-            if self._num_cached_block[rid] != _NEVER:
-                self.blocks.stop_caching(rid, self._num_cached_block[rid])
-            self._num_cached_block[rid] = _NEVER
+        if not self._caching:  # vLLM caches nothing, and keeps no count
+            return
+        cached = self._num_cached_block.get(rid, 0)
+        if cached != _NEVER:
+            self.blocks.stop_caching(rid, cached)
+        self._num_cached_block[rid] = _NEVER
 
     def stop_caching_resumed(self, rid: str, num_hits: int, keep: int) -> None:
         """`stop_caching` of a resumed request with a dead token, right after
