@@ -244,7 +244,8 @@ def planner_section(d: dict, img: str = "") -> list[str]:
         + (" --baseline <checkout of " + base + ">" if base else "")
         + "` — `plan_blocks` + `pack_requests` per "
         "step, worst case: every request handed to the planner at once (the "
-        "engine hands it one a block's worth of evictions); planned: those it "
+        "engine hands it a request once a block's worth of its tokens died); "
+        "planned: those it "
         "found a block to free in (a row planning none times the search alone); "
         f"median of {d['meta']['repeats']}, "
         f"threshold {d['meta']['threshold']}; before: `pack_request` per request, "
