@@ -320,9 +320,10 @@ def time_hooks() -> None:
 
 def call_counter(into: dict[str, int]):
     """A function run(fn, *args, **kwargs) that calls fn and counts into
-    `into` the Python and C calls made ("call", "c_call") and the lines of
-    the overlay's code run ("line"): a loop that makes no call (a `for`
-    setting attributes, a comprehension) shows in the lines only."""
+    `into` the Python and C calls it makes ("call", "c_call") and the lines
+    of the overlay's code run ("line"): a loop that makes no call (a `for`
+    setting attributes, a comprehension) shows in the lines only. Not
+    counted: fn's own call and the profiler's switching off."""
 
     def hook(frame, event, arg) -> None:
         if event in ("call", "c_call"):
@@ -345,6 +346,8 @@ def call_counter(into: dict[str, int]):
         finally:
             sys.setprofile(None)
             sys.settrace(None)
+            into["call"] -= 1  # fn itself
+            into["c_call"] -= 1  # setprofile(None)
 
     return run
 
