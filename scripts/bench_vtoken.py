@@ -869,7 +869,10 @@ def main() -> None:
         data = run(args)
     except RuntimeError as err:  # an engine or server run failed: it says why
         sys.exit(str(err))
+    from bench_report import machine  # scripts/ is this script's folder
+
     data.update(
+        machine=machine(),  # the report's machine line is the one rendering it
         command="python scripts/bench_vtoken.py " + " ".join(sys.argv[1:]),
         seconds=time.monotonic() - t0,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
