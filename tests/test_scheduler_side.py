@@ -752,6 +752,62 @@ def test_a_prefix_cache_hit_is_slotted_where_vllm_wrote_it(check, monkeypatch):
     vt.check_integrity()
 
 
+@pytest.mark.parametrize("reclaim", ["naive", "vtoken"])
+@pytest.mark.parametrize("b_budget", [6, 8])
+def test_a_shared_block_no_holder_has_a_live_token_in_is_freed(reclaim, b_budget):
+    """B hits A's three prompt blocks (as n > 1 siblings, or a common system
+    prompt, do). Once neither has a live token in b1, b1 leaves both lists
+    and the pool gets it back, once, still cached: it stayed held by both,
+    as a block another request holds was never freed (found by review).
+    With B's budget 6 both lose b1's last tokens in one step; with 8, A
+    loses its own two steps before B, whose eviction finds A's list."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, a = setup(reclaim, caching=True, blocks=32)
+    b = Request(
+        "B", list(range(100, 113)),
+        SamplingParams(max_tokens=8, extra_args={"kv_budget_tokens": b_budget}),
+        None, block_hasher=a._block_hasher,
+    )  # fmt: skip
+    vt._requests["B"] = b
+    step(kv, vt, a, 12, running=[])  # A's prompt: b0, b1, b2 cached
+    b0, b1, b2 = (kv.block_pool.blocks[i] for i in kv.get_block_ids("A")[0])
+
+    def both(running, new_b=1, hits=()):
+        vt.begin_step(running)
+        assert kv.allocate_slots(a, 1) is not None
+        assert kv.allocate_slots(b, new_b, *hits) is not None
+        if hits:
+            b.num_computed_tokens = hits[0]
+        out = vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 1, "B": new_b}))
+        for r, n in ((a, 1), (b, new_b)):
+            r.num_computed_tokens += n
+            r.append_output_token_ids(7)
+        acked = [out.moves.batch_id] if out is not None and out.moves else []
+        vt.on_output(VTokenWorkerOutput(acked_batches=acked))
+        vt.check_integrity()
+
+    blocks, hits = kv.get_computed_blocks(b)
+    assert hits == 12
+    both([a], hits=(hits, blocks))  # A loses tokens 1..6; B hits b0..b2
+    assert kv.get_block_ids("B")[0][:3] == [b0.block_id, b1.block_id, b2.block_id]
+    free = kv.block_pool.get_num_free_blocks()
+    steps = 0
+    while b1.ref_cnt and steps < 6:
+        both([a, b])
+        steps += 1
+    assert steps == (1 if b_budget == 6 else 3)
+    assert b1.block_id not in kv.get_block_ids("A")[0] + kv.get_block_ids("B")[0]
+    assert b1.ref_cnt == 0 and b1.block_hash is not None  # freed, still cached
+    queue = kv.block_pool.free_block_queue.get_all_free_blocks()
+    assert [x.block_id for x in queue].count(b1.block_id) == 1
+    assert cache_hits(kv, list(range(100, 113))) == 12
+    if reclaim == "naive":  # vtoken's compaction frees and takes blocks too
+        assert kv.block_pool.get_num_free_blocks() >= free + 1 - 2 * steps
+
+
 def test_a_block_emptied_of_tokens_moved_into_it_is_freed_where_it_is():
     """The emptied-block search names the entry a dead token was written at;
     after compaction moved token 0 into b1 (entry 1), that entry holds the

@@ -366,3 +366,22 @@ def test_a_list_past_its_region_is_an_error_not_a_skip(monkeypatch):
     with pytest.raises(RuntimeError, match="past what their rows hold"):
         index.null_out("a", [100 + cap - 1], NULL, unshared_only=True)
     assert ids_of(lists["a"][:2]) == [7, 3]  # nothing done
+
+
+def test_holders_are_the_lists_holding_a_block_at_an_entry_they_slotted(checked):
+    """Every list holding blocks 7 or 3 where its request has slotted the
+    entry's every token: b has slotted one token of block 3 (its entry 1),
+    so that entry is not b's to give up yet; a released row holds none."""
+    lists = {r: [block(7), block(3)] for r in "ab"} | {"c": [block(9)]}
+    index = indexed(lists)
+    for rid, n in (("a", 8), ("b", 5), ("c", 4)):
+        index.pool.append(rid, np.arange(n))
+    rows = dict(zip("abc", index.pool.rows(["a", "b", "c"]).tolist(), strict=True))
+    got = index.holders(arr(3, 7))
+    assert [g.tolist() for g in got] == [
+        [rows["a"], rows["a"], rows["b"]],
+        [0, 1, 0],
+        [7, 3, 7],
+    ]
+    index.release("a")
+    assert [g.tolist() for g in index.holders(arr(3, 7))] == [[rows["b"]], [0], [7]]

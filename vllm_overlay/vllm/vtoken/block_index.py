@@ -120,6 +120,16 @@ class BlockIndex:
         upto = a.cols["cache_end"][rows] - 1
         return ids, np.where(upto < 0, counts, np.minimum(upto, counts))
 
+    def holders(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, entries, blocks): where every list holds one of blocks
+        `ids` (int64, distinct) at an entry whose tokens its row has all
+        slotted, by row then entry (block_kernels.holders)."""
+        a = self._a
+        return self._k.holders(
+            ids, a.start, a.cap, a.cols["n_entries"], a.cols["n_slotted"],
+            a.data["block"], self._pool.shift,
+        )  # fmt: skip
+
     def find(self, rid: str, ids: Iterable[int]) -> list[int]:
         """Ascending entries of `rid`'s list holding blocks among `ids` (a
         block it does not hold, such as a displaced source, has none)."""

@@ -70,3 +70,31 @@ def release_busy(busy, src, dst, batch_id):
         for j in range(ids.size):
             if busy[ids[j]] == batch_id:
                 busy[ids[j]] = -1
+
+
+@numba.njit(
+    numba.types.UniTuple(_i64, 3)(_i64, _i64, _i64, _i64, _i64, _i32, numba.int64),
+    **_jit,
+)
+def holders(ids, start, cap, n, n_slotted, mirror, shift):
+    """(rows, entries, blocks): every mirrored entry of any row holding one
+    of blocks `ids`, where the row has slotted every token of that entry
+    (the entry's tokens are all known to it), by row then entry. A block
+    every holder of which evicted its tokens is freed from each list
+    (BlockReclaimer.free_empty_blocks): one pass over every list."""
+    want = np.zeros(ids.max() + 1 if ids.size else 0, np.bool_)
+    for b in ids:
+        want[b] = True
+    most = 0
+    for r in range(start.size):
+        most += min(n[r], cap[r])
+    out = np.empty((3, most), np.int64)
+    k = 0
+    for r in range(start.size):
+        m = mirror[start[r] : start[r] + min(n[r], cap[r])]
+        for e in range(min(m.size, n_slotted[r] >> shift)):
+            b = m[e]
+            if 0 <= b < want.size and want[b]:
+                out[0, k], out[1, k], out[2, k] = r, e, b
+                k += 1
+    return out[0, :k].copy(), out[1, :k].copy(), out[2, :k].copy()

@@ -46,6 +46,8 @@ from vllm.vtoken.planner import BlockPlan, plan_around_cache, plan_blocks
 from vllm.vtoken.request_state import RequestState
 
 _NEVER = 1 << 62  # a block count no request reaches
+_REF_CNT = attrgetter("ref_cnt")
+_IS_ZERO = (0).__eq__
 _ID = attrgetter("block_id")
 _COMPUTED = attrgetter("num_computed_tokens")
 _MOVE_BATCH = attrgetter("move_batch")
@@ -178,7 +180,11 @@ class BlockReclaimer:
     def free_empty_blocks(self, rids, seg, dead, rows=None) -> None:
         """Free the blocks whose last live token just died (Naive-Evict), for
         the batch at once: tokens dead[j] of request rids[seg[j]] died (int
-        arrays); `rows`: their Token Table rows, when the caller has them."""
+        arrays); `rows`: their Token Table rows, when the caller has them.
+        A block left without a live token has none in any table (block_live
+        counts every holder's), so it leaves every list that holds it: those
+        of other requests sharing it (a prefix-cache hit) that evicted their
+        tokens in it at earlier steps too, or it would stay held by each."""
         pool = self.pool
         rows = pool.rows(rids) if rows is None else rows
         # Only blocks every token of which has been written: a block still
@@ -192,17 +198,64 @@ class BlockReclaimer:
             if not idle.any():
                 return
             seg, blk, entry = seg[idle], blk[idle], entry[idle]
+        shared = None
+        if self._caching:  # (requests share blocks through the cache only)
+            refs = map(_REF_CNT, map(self.block_pool.blocks.__getitem__, blk.tolist()))
+            shared = np.fromiter(refs, np.int64, blk.size) > 1
+            if np.logical_or.reduce(shared):
+                rids, rows, seg, blk, entry = self._with_holders(
+                    rids, rows, seg, blk, entry, np.unique(blk[shared])
+                )
+            else:
+                shared = None
         # Where their tokens were written, mostly (else found in the list),
         # in list order per request, as _null_out frees them.
         order = np.lexsort((entry, seg))
         freed, nulled = self.blocks.null_at_many(
-            rids, rows, seg[order], entry[order], blk[order], self.block_pool.null_block
-        )
+            rids, rows, seg[order], entry[order], blk[order],
+            self.block_pool.null_block, unshared_only=False,
+        )  # fmt: skip
         held = nulled.nonzero()[0]
         if held.size:  # distinct requests: one add
             pool.add_nulls(rows[held], nulled[held])
         freed.reverse()  # tail first (see _free)
+        if shared is not None:  # one block from several lists
+            freed = self._release_repeats(freed)
         self._free(freed)
+
+    def _with_holders(self, rids, rows, seg, blk, entry, shared):
+        """free_empty_blocks' batch with every other list holding blocks
+        `shared` (block ids) at an entry its request has slotted: those
+        requests' tokens there are dead too (the block has no live token)."""
+        h_rows, h_entry, h_blk = self.blocks.holders(shared)
+        num_blocks = self.pool.num_blocks
+        known = rows[seg] * num_blocks + blk
+        new = ~np.isin(h_rows * num_blocks + h_blk, known)
+        if not new.any():
+            return rids, rows, seg, blk, entry
+        h_rows, h_entry, h_blk = h_rows[new], h_entry[new], h_blk[new]
+        others, h_seg = np.unique(h_rows, return_inverse=True)
+        rid_of = {row: rid for rid, row in self.pool.arena.index.items()}
+        rids = list(rids) + [rid_of[r] for r in others.tolist()]
+        return (
+            rids,
+            np.concatenate([rows, others]),
+            np.concatenate([seg, h_seg + len(rows)]),
+            np.concatenate([blk, h_blk]),
+            np.concatenate([entry, h_entry]),
+        )
+
+    def _release_repeats(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """`blocks` with a block from several lists once (its last place):
+        its other places' references are dropped here. vLLM's free_blocks
+        queues a block once per place it is given at ref_cnt 0."""
+        last = {b.block_id: i for i, b in enumerate(blocks)}
+        if len(last) == len(blocks):
+            return blocks
+        keep = set(last.values())
+        repeats = [b for i, b in enumerate(blocks) if i not in keep]
+        self.block_pool.free_blocks(repeats)  # each still held by its last place
+        return [b for i, b in enumerate(blocks) if i in keep]
 
     def release_blocks(self, rid: str, blocks: list[KVCacheBlock]) -> None:
         """Null-replace `blocks` of `rid` in its block table (those still in
@@ -230,7 +283,8 @@ class BlockReclaimer:
         only)."""
         if blocks:
             self.block_pool.free_blocks(blocks)
-            self.counters.reclaimed_blocks += len(blocks)
+            # Those back in the pool: a block another request holds is not.
+            self.counters.reclaimed_blocks += sum(map(_IS_ZERO, map(_REF_CNT, blocks)))
 
     def pop_batch(self, batch_id: int) -> InFlightMoves:
         """An acknowledged batch: none of its blocks is busy any more."""
