@@ -808,6 +808,20 @@ def test_a_shared_block_no_holder_has_a_live_token_in_is_freed(reclaim, b_budget
         assert kv.block_pool.get_num_free_blocks() >= free + 1 - 2 * steps
 
 
+def test_reclaimed_blocks_counts_the_blocks_back_in_the_pool():
+    """A block freed while another request holds it (an evacuated source
+    the prefix cache handed out meanwhile) is not back in the pool: it
+    counted as reclaimed all the same (found by review)."""
+    kv, vt, req = setup("naive", caching=True)
+    step(kv, vt, req, 12, running=[])
+    b0, b1 = (kv.block_pool.blocks[i] for i in kv.get_block_ids("A")[0][:2])
+    kv.block_pool.touch([b0])  # a second holder
+    before = vt.counters.reclaimed_blocks
+    vt.reclaimer._free([b1, b0])
+    assert (b0.ref_cnt, b1.ref_cnt) == (1, 0)
+    assert vt.counters.reclaimed_blocks == before + 1
+
+
 def test_a_block_emptied_of_tokens_moved_into_it_is_freed_where_it_is():
     """The emptied-block search names the entry a dead token was written at;
     after compaction moved token 0 into b1 (entry 1), that entry holds the
