@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 # scripts/ is this script's folder, so engine_driver imports as a module.
 from engine_driver import VLLM, bench_serve, cli_flags, run_driver, serve
@@ -46,6 +47,17 @@ SLA_FIELDS = (
 )
 # `vllm bench serve` keeps ShareGPT prompts of up to this many tokens.
 SHAREGPT_MAX_PROMPT = 1024
+
+
+def in_turns(repeats: int, *axes) -> Iterator[tuple]:
+    """(repeat, *item) for every item of the axes' product, `repeats` times
+    taking turns: forward, then backward (ABBA), so that a drift of the
+    machine over a turn falls on every item alike (run first in each turn,
+    native looked the fastest of a memory run's 11 on a drifting VM)."""
+    items = list(itertools.product(*axes))
+    for rep in range(repeats):
+        for item in items if rep % 2 == 0 else items[::-1]:
+            yield (rep, *item)
 
 
 def workload(args, n: int | None, min_tokens: int) -> dict:
@@ -136,7 +148,7 @@ def cmd_memory(args) -> dict:
     wave = workload(args, args.requests, args.prompt_len)
     runs = [("none", "-"), *((p, r) for p in args.policies for r in RECLAIMS)]
     results, steps = {}, {}
-    for rep, (policy, reclaim) in itertools.product(range(args.repeats), runs):
+    for rep, (policy, reclaim) in in_turns(args.repeats, runs):
         key = f"{policy}/{reclaim}"
         eng = engine_args(args, **policy_args(policy, args.budget, reclaim))
         spec = {"engine": eng, "histogram": True, **wave}
@@ -542,8 +554,8 @@ def cmd_history(args) -> dict:
     src = {"n": n, "min_tokens": args.prompt_len, "max_tokens": args.prompt_len}
     spec = {"random": src, "max_tokens": args.gen_len, "light": True}
     quarters: dict[str, list] = {}
-    for _, policy, (ver, env) in itertools.product(
-        range(args.repeats), args.policies, versions(args).items()
+    for _, policy, (ver, env) in in_turns(
+        args.repeats, args.policies, versions(args).items()
     ):
         extra = policy_args(policy, args.budget, "vtoken")
         run = run_driver({"engine": {**eng, **extra}, **spec}, env=env)
@@ -569,8 +581,8 @@ def cmd_arrivals(args) -> dict:
     eng = engine_args(args, num_gpu_blocks_override=args.pool, max_model_len=longest)
     spec = {**workload(args, n, 32), "arrivals": [args.every * i for i in range(n)]}
     runs: dict[str, list] = {}
-    for _, policy, (ver, env) in itertools.product(
-        range(args.repeats), ["none", *args.policies], versions(args).items()
+    for _, policy, (ver, env) in in_turns(
+        args.repeats, ["none", *args.policies], versions(args).items()
     ):
         if policy == "none" and ver != "vtoken":
             continue  # native is the same on every overlay
@@ -723,8 +735,8 @@ def cmd_scale(args) -> dict:
         spec = {"random": src, "max_tokens": args.gen_len, "light": True}
         short = {**spec, "max_tokens": 16, "count_hook_calls": True}
         runs: dict[tuple[str, str], list] = {}
-        for _, policy, (ver, env) in itertools.product(
-            range(args.repeats), ["none", *args.policies], versions(args).items()
+        for _, policy, (ver, env) in in_turns(
+            args.repeats, ["none", *args.policies], versions(args).items()
         ):
             if policy == "none" and ver != "vtoken":
                 continue  # native is the same on every overlay

@@ -165,3 +165,15 @@ def test_the_report_breaks_the_host_time_down_by_hook_when_timed():
     assert "(now / the baseline overlay's)" in new
     cells = ["0.25 / 1.00"] * 4 + ["0.50 / 1.00", "0.25 / 1.00"]
     assert "| 64 | h2o | " + " | ".join(cells) + " |" in new
+
+
+def test_runs_take_turns_forward_then_backward():
+    # Native ran first in every turn, and on a VM slowing over a turn it
+    # looked the fastest of a memory run's 11 (found in its numbers).
+    turns = list(bench.in_turns(3, ["none", "h2o"], ["now", "before"]))
+    forward = [("none", "now"), ("none", "before"), ("h2o", "now"), ("h2o", "before")]
+    assert turns == [
+        *((0, *x) for x in forward),
+        *((1, *x) for x in forward[::-1]),
+        *((2, *x) for x in forward),
+    ]
