@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU-sized benchmark suite on the real patched engine (SmolLM2-135M, block
-# size 16), then docs/RESULTS.md from its JSON. About 50 minutes on 2 cores.
+# size 16), then docs/RESULTS.md from its JSON. About 1.5 hours on 2 cores.
 # Extra arguments go to every experiment (e.g. --model DIR --engine-json '{...}').
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib/env.sh"
