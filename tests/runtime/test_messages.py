@@ -148,15 +148,19 @@ def test_the_workers_tables_keep_dead_listed_by_the_requests_own_policy():
     assert keep.tolist() == [1, 0, 1]
 
 
-@pytest.mark.parametrize("how", ["finished", "preempted", "unscheduled", "running"])
+@pytest.mark.parametrize(
+    "how", ["finished", "preempted", "unscheduled", "resumed", "running"]
+)
 def test_copies_in_flight_are_waited_for_once_their_request_may_lose_its_blocks(
     how, monkeypatch
 ):
     """A request with a copy in flight (a GPU side stream) that finished, was
     preempted, or is not scheduled this step (preempted outside a step, by
-    the scheduler's reset_prefix_cache, which reports it nowhere): the
-    worker orders the step after its copies, whose blocks may be handed
-    out again; a request still scheduled needs no wait."""
+    the scheduler's reset_prefix_cache, which reports it nowhere), or was
+    preempted so and resumed in this very step (scheduled, but its old
+    blocks freed, and its row reset: found by review): the worker orders
+    the step after its copies, whose blocks may be handed out again; a
+    request still running needs no wait."""
     worker, _ = cpu_worker(num_blocks=4, block_size=16)
     waits = []
     monkeypatch.setattr(worker.executor, "wait_all", lambda: waits.append(1))
@@ -169,12 +173,62 @@ def test_copies_in_flight_are_waited_for_once_their_request_may_lose_its_blocks(
         SimpleNamespace(
             finished_req_ids={"a"} if how == "finished" else set(),
             preempted_req_ids={"a"} if how == "preempted" else set(),
-            num_scheduled_tokens={} if how != "running" else {"a": 1},
-            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=[]),
+            num_scheduled_tokens={"a": 1} if how in ("running", "resumed") else {},
+            scheduled_cached_reqs=SimpleNamespace(
+                resumed_req_ids=["a"] if how == "resumed" else []
+            ),
             vtoken=None,
         )
     )
     assert waits == ([] if how == "running" else [1])
+
+
+def test_a_copy_in_flight_never_switches_a_request_resumed_since(monkeypatch):
+    """A GPU side stream's batch still copying when its request is preempted
+    outside a step and resumed in the next: the worker waits for it before
+    the step (the request's old blocks are free), and its switch skips the
+    reset row. It waited for none, and the copy, landing after the resume
+    slotted the row again, moved token 20 into a block the request no
+    longer held (found by review). Simulated on CPU: a submitted batch
+    completes at a later poll, or at wait_all."""
+    from vllm.vtoken.messages import VTokenStep
+
+    worker, _ = cpu_worker(num_blocks=8, block_size=16)
+    ex, held = worker.executor, []
+    submit = ex.submit
+
+    def late(batch_id, src, dst):
+        submit(batch_id, src, dst)
+        held.extend(ex._done)
+        ex._done.clear()
+
+    monkeypatch.setattr(ex, "submit", late)
+    monkeypatch.setattr(ex, "wait_all", lambda: (ex._done.extend(held), held.clear()))
+    worker.pool.add_request("a")
+    worker._scored["a"] = False
+    worker.pool.append("a", np.arange(32))  # blocks 0 and 1
+
+    def step(vtoken=None, count=1, resumed=()):
+        worker.begin_step(
+            SimpleNamespace(
+                finished_req_ids=set(), preempted_req_ids=set(),
+                num_scheduled_tokens={"a": count}, vtoken=vtoken,
+                scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=resumed),
+            )
+        )  # fmt: skip
+
+    moves = MoveBatch(
+        batch_id=0, req_ids=["a"], indptr=np.array([0, 1]), idx=np.array([20]),
+        src_slots=np.array([20]), dst_slots=np.array([1]),
+    )  # fmt: skip
+    dead = {"dead_indptr": np.array([0, 8]), "dead_idx": np.arange(1, 9)}
+    step(VTokenStep(dead_req_ids=["a"], **dead, moves=moves))
+    assert worker.end_step().acked_batches == []  # still copying
+    step(count=33, resumed=["a"])  # all its blocks freed, then resumed
+    assert held == []  # waited for
+    worker.pool.append("a", 5 * 16 + np.arange(33))  # the resume: blocks 5-7
+    assert worker.end_step().acked_batches == [0]
+    assert worker.pool.slots("a")[20] == 5 * 16 + 20  # where the resume wrote it
 
 
 def test_a_scheduler_finds_only_the_worker_built_on_its_own_config(monkeypatch):

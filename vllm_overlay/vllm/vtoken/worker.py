@@ -171,18 +171,24 @@ class VTokenWorker:
         self._open = True
         pool = self.pool
         pending_reqs = {r for b in self._pending.values() for r in b.req_ids}
-        if pending_reqs and not pending_reqs <= so.num_scheduled_tokens.keys():
+        resumed = so.scheduled_cached_reqs.resumed_req_ids
+        if pending_reqs and (
+            not pending_reqs <= so.num_scheduled_tokens.keys()
+            or not pending_reqs.isdisjoint(resumed)
+        ):
             # Not scheduled: finished, preempted (also outside a step, which
             # no preempted_req_ids reports: the scheduler's
-            # reset_prefix_cache(reset_running_requests=True)). Their blocks
-            # may be handed out again this step: copies first.
+            # reset_prefix_cache(reset_running_requests=True)); or preempted
+            # so and resumed at once. Their blocks may be handed out again
+            # this step: copies first (a resumed row's switch is then
+            # skipped below: its row is reset first, pool.apply_moves).
             self.executor.wait_all()
         done = [rid for rid in so.finished_req_ids if rid in pool]
         if done:  # released for the batch at once
             pool.release_many(done)
             for rid in done:
                 del self._scored[rid]
-        for rid in so.scheduled_cached_reqs.resumed_req_ids:
+        for rid in resumed:
             if rid in pool:
                 pool.reset_slots(rid)
         step = so.vtoken
