@@ -482,8 +482,7 @@ class VTokenScheduler:
     # ------------------------------------------------------------ metrics
     def make_stats(self, running: Iterable[Request]) -> VTokenStats:
         """Gauges over running requests, counters since the last call."""
-        delta = self.counters.minus(self._last_counters)
-        self._last_counters = self.counters.copy()
+        delta, self._last_counters = self.counters.growth_since(self._last_counters)
         blocks = self.reclaimer.req_to_blocks
         return stats_of(self.block_size, running, self._reqs, blocks, self.pool, delta)
 

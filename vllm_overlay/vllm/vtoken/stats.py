@@ -30,13 +30,22 @@ class VTokenCounters:
     scheduler_ns: int = 0  # wall time inside the scheduler's per-step hooks
     worker_ns: int = 0  # the same inside the worker's (its running total)
 
-    def minus(self, other: VTokenCounters) -> VTokenCounters:
-        return VTokenCounters(
-            *(getattr(self, f.name) - getattr(other, f.name) for f in fields(self))
+    def growth_since(
+        self, last: VTokenCounters
+    ) -> tuple[VTokenCounters, VTokenCounters]:
+        """(delta, reported): what each counter grew by since `last` (what was
+        reported so far), never below 0, and the new `last`. A metric counter
+        only grows, and prometheus_client raises on a negative increment;
+        reclaimed_blocks is a net count that may dip: an evacuation's fresh
+        blocks are taken off when acknowledged, and a source it displaced that
+        a prefix-cache hit took meanwhile does not come back then. The dip is
+        reported as 0 and caught up by later growth."""
+        now = [getattr(self, f.name) for f in fields(self)]
+        was = [getattr(last, f.name) for f in fields(self)]
+        return (
+            VTokenCounters(*(max(0, n - w) for n, w in zip(now, was, strict=True))),
+            VTokenCounters(*map(max, now, was)),
         )
-
-    def copy(self) -> VTokenCounters:
-        return VTokenCounters(*(getattr(self, f.name) for f in fields(self)))
 
 
 @dataclass
