@@ -69,9 +69,13 @@ def run_driver(spec: dict, *, pristine=False, env=None, timeout=None) -> dict:
     full_env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     if pristine:
         full_env["PYTHONPATH"] = os.environ["VTOKEN_PRISTINE"]
-    # A run asked of another tree (stock, a --baseline overlay) must load its
-    # vLLM from there: an unusable folder falls back to the venv's, silently.
-    tree = full_env["PYTHONPATH"] if pristine or "PYTHONPATH" in (env or {}) else None
+    # A run asked of another vLLM tree (stock, a --baseline overlay: a folder
+    # with a vllm/ first on PYTHONPATH) must load its vLLM from there: a
+    # broken one falls back to the venv's, silently. (A folder of plug-ins
+    # holds no vllm/.)
+    tree = full_env.get("PYTHONPATH")
+    if not pristine and not (env and tree and pathlib.Path(tree, "vllm").is_dir()):
+        tree = None
     with tempfile.TemporaryDirectory() as tmp:
         spec_f, out_f = pathlib.Path(tmp, "spec.json"), pathlib.Path(tmp, "out.json")
         spec_f.write_text(json.dumps(spec))

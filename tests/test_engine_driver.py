@@ -98,3 +98,24 @@ def test_the_call_counter_counts_the_calls_a_function_makes():
         into = {"call": 0, "c_call": 0, "line": 0}
         engine_driver.call_counter(into)(fn)
         assert (into["call"], into["c_call"]) == (calls, c_calls), fn.__name__
+
+
+def test_only_a_folder_holding_vllm_is_a_tree_to_load_it_from(tmp_path, monkeypatch):
+    # A folder of plug-in packages first on PYTHONPATH (tests/plugin_site)
+    # is no vLLM tree: the check refused every plug-in run (found by CI).
+    calls = []
+    monkeypatch.setattr(engine_driver, "check_tree", lambda *a: calls.append(a[1]))
+
+    def fake_run(cmd, env, **kw):  # the driver's output, as a run writes it
+        out = Path(cmd[-1])
+        out.write_text('{"vllm_path": "/venv/vllm"}')
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(engine_driver.subprocess, "run", fake_run)
+    plugins, site = tmp_path / "plugins", tmp_path / "site"
+    plugins.mkdir()
+    (site / "vllm").mkdir(parents=True)
+    engine_driver.run_driver({}, env={"PYTHONPATH": str(plugins)})
+    engine_driver.run_driver({}, env={"PYTHONPATH": str(site)})
+    engine_driver.run_driver({})
+    assert calls == [None, str(site), None]
