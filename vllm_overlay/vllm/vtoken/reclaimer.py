@@ -198,16 +198,15 @@ class BlockReclaimer:
             if not idle.any():
                 return
             seg, blk, entry = seg[idle], blk[idle], entry[idle]
-        shared = None
+        any_shared = False
         if self._caching:  # (requests share blocks through the cache only)
             refs = map(_REF_CNT, map(self.block_pool.blocks.__getitem__, blk.tolist()))
             shared = np.fromiter(refs, np.int64, blk.size) > 1
-            if np.logical_or.reduce(shared):
+            any_shared = bool(np.logical_or.reduce(shared))
+            if any_shared:
                 rids, rows, seg, blk, entry = self._with_holders(
                     rids, rows, seg, blk, entry, np.unique(blk[shared])
                 )
-            else:
-                shared = None
         # Where their tokens were written, mostly (else found in the list),
         # in list order per request, as _null_out frees them.
         order = np.lexsort((entry, seg))
@@ -219,7 +218,7 @@ class BlockReclaimer:
         if held.size:  # distinct requests: one add
             pool.add_nulls(rows[held], nulled[held])
         freed.reverse()  # tail first (see _free)
-        if shared is not None:  # one block from several lists
+        if any_shared:  # one block from several lists
             freed = self._release_repeats(freed)
         self._free(freed)
 
