@@ -38,6 +38,13 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
               under "waves"), e.g. one per policy through extra_args
   record_scores  each request's live tokens and their running scores, as of
               its last step (score-based policies)
+  sessions    instead, streaming-input sessions through AsyncLLM (its core in a
+              process of its own: no per-step state), one after another: a list
+              of sessions, each {"sharegpt": {...} (its last prompt, cut into the
+              chunks), "chunks": [{"tokens": n, "max_tokens": m, "extra_args":
+              {...}}, ...]}, a chunk sent once the one before is answered; each
+              session's output token ids and the error that ended it, if any,
+              and vToken's Prometheus counters at the end
 """
 
 import collections
@@ -376,20 +383,25 @@ def count_hook_calls() -> None:
     _wrap_hooks(wrap)
 
 
+def engine_defaults() -> dict:
+    """The engine arguments a spec's "engine" is laid over."""
+    return dict(
+        model=os.environ["VTOKEN_MODEL_DIR"],
+        dtype="bfloat16",
+        block_size=16,
+        enforce_eager=True,
+        seed=0,
+        max_model_len=1024,
+    )
+
+
 class Driver:
     """One engine, stepped by hand, counting preemptions and batch sizes."""
 
     def __init__(self, engine_args: dict) -> None:
         from vllm import LLM
 
-        defaults = dict(
-            model=os.environ["VTOKEN_MODEL_DIR"],
-            dtype="bfloat16",
-            block_size=16,
-            enforce_eager=True,
-            seed=0,
-            max_model_len=1024,
-        )
+        defaults = engine_defaults()
         llm = LLM(**{**defaults, **engine_args})
         self.engine, self.tok = llm.llm_engine, llm.get_tokenizer()
         self.sched = self.engine.engine_core.engine_core.scheduler
@@ -553,8 +565,83 @@ def force_tokens():
     return ForceTokens
 
 
+def run_sessions(spec: dict) -> dict:
+    """The `sessions` workload (see the module's docstring)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.engine.protocol import StreamingInput
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    defaults = engine_defaults()
+    args = {**defaults, **spec.get("engine", {})}
+    tok = AutoTokenizer.from_pretrained(args["model"])
+
+    def params(chunk: dict) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=chunk["max_tokens"],
+            temperature=0.0,
+            ignore_eos=True,
+            extra_args=chunk.get("extra_args"),
+        )
+
+    async def one(engine, k: int, session: dict) -> dict:
+        prompt = sharegpt_prompts(tok, **session["sharegpt"])[-1]
+        chunks, at = [], 0
+        for c in session["chunks"]:
+            chunks.append((prompt[at : at + c["tokens"]], params(c)))
+            at += c["tokens"]
+
+        out, error, grew = [], None, asyncio.Event()
+
+        async def inputs():  # a chunk once the one before it is answered
+            want = 0
+            for ids, sp in chunks:
+                while len(out) < want:
+                    await grew.wait()
+                    grew.clear()
+                yield StreamingInput(TokensPrompt(prompt_token_ids=ids), sp)
+                want += sp.max_tokens
+
+        try:
+            async for o in engine.generate(inputs(), chunks[0][1], f"s{k}"):
+                out[:] = o.outputs[0].token_ids
+                grew.set()
+        except Exception as err:  # what ended the session: reported
+            error = f"{type(err).__name__}: {err}"
+        return {"outputs": out, "error": error}
+
+    async def run() -> dict:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        try:
+            done = [await one(engine, k, s) for k, s in enumerate(spec["sessions"])]
+        finally:
+            engine.shutdown()
+        counters = {
+            m.name: m.value
+            for m in get_metrics_snapshot()
+            if isinstance(m, Counter) and m.name.startswith("vllm:kv_")
+        }
+        return {"sessions": done, "counters": counters}
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
+    if "sessions" in spec:  # AsyncLLM: its core runs in a process of its own
+        import vllm
+
+        result = run_sessions(spec)
+        result["vllm_path"] = os.path.realpath(os.path.dirname(vllm.__file__))
+        with open(sys.argv[2], "w") as f:
+            json.dump(result, f)
+        return
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     processors = {"logits_processors": [force_tokens()]} if "force" in spec else {}
     if spec.get("count_hook_calls"):

@@ -1,11 +1,17 @@
 """Per-request eviction settings (`extra_args` / `vllm_xargs`) against the flags."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.policies import create_policy
-from vllm.vtoken.request_args import RequestEviction, request_eviction
+from vllm.vtoken.request_args import (
+    RequestEviction,
+    SessionEviction,
+    request_eviction,
+)
 from vllm.vtoken.token_table import TokenTablePool
 
 B, MAX_LEN = 16, 2048
@@ -116,6 +122,64 @@ def test_a_plugin_that_failed_to_load_is_refused_with_the_reason(monkeypatch):
         ValueError, match=f"kv_eviction_policy='gone' is unavailable: {why}"
     ):
         parse({"kv_eviction_policy": "gone"})
+
+
+def session(cfg=None) -> SessionEviction:
+    return SessionEviction(
+        SimpleNamespace(
+            vtoken_config=cfg or Cfg(),
+            cache_config=SimpleNamespace(block_size=B),
+            model_config=SimpleNamespace(max_model_len=MAX_LEN),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [None, None, {}],
+        [None, {"kv_budget_tokens": 256}, {"kv_eviction_policy": "h2o"}],  # same
+        [{"kv_budget_tokens": 64}] * 3,
+        [{"kv_eviction_policy": "none"}, {"kv_budget_tokens": "none"}],  # opt-out
+    ],
+)
+def test_a_streaming_session_may_repeat_its_first_chunk_s_settings(chunks):
+    s = session()
+    for args in chunks:
+        s.check(args)
+
+
+@pytest.mark.parametrize(
+    "first, later, key",
+    [
+        (None, {"kv_budget_tokens": 64}, "kv_budget_tokens"),
+        ({"kv_budget_tokens": 64}, None, "kv_budget_tokens"),
+        (None, {"kv_eviction_policy": "random"}, "kv_eviction_policy"),
+        (None, {"kv_eviction_policy": "none"}, "kv_eviction_policy"),
+        ({"kv_budget_tokens": "none"}, {"kv_budget_tokens": 128}, "kv_eviction_policy"),
+    ],
+)
+def test_a_later_chunk_may_not_change_its_session_s_settings(first, later, key):
+    s = session()
+    s.check(first)
+    s.check(first)  # a repeat is fine
+    with pytest.raises(
+        ValueError, match="chunk 3 asks for .* a session keeps one"
+    ) as e:
+        s.check(later)
+    assert e.value.parameter == key
+
+
+def test_a_session_chunk_s_bad_value_is_refused_as_a_request_s():
+    s = session()
+    s.check(None)
+    with pytest.raises(ValueError, match=r"must be in \[16, 2048\]"):
+        s.check({"kv_budget_tokens": 4})
+    off = session(Cfg("none", None))
+    off.check(None)
+    off.check({"kv_budget_tokens": "none"})  # opting out of what it never does
+    with pytest.raises(ValueError, match="needs a server started with"):
+        off.check({"kv_budget_tokens": 64})
 
 
 def test_runtime_keeps_each_request_within_its_own_budget():

@@ -17,7 +17,9 @@ The engine flags are the defaults; an engine started with a policy and no
 
 Checked by the front end (patch 0090) before the request is scheduled, so a bad
 value is the client's error (HTTP 400), and read again by the scheduler and the
-worker when the request arrives.
+worker when the request arrives. A streaming-input session is one request to the
+engine core, registered with its first chunk's settings: a later chunk asking
+for others is refused (`SessionEviction`, patch 0095).
 """
 
 from __future__ import annotations
@@ -168,11 +170,55 @@ def _check_policy(policy: Any, cfg: VTokenConfig) -> None:
 
 def check_request_args(extra_args: dict[str, Any] | None, vllm_config) -> None:
     """The front end's check (input processor): ValueError -> HTTP 400."""
-    if not extra_args:
-        return
-    request_eviction(
+    if extra_args:
+        _front_end_eviction(extra_args, vllm_config)
+
+
+def _front_end_eviction(extra_args, vllm_config) -> RequestEviction:
+    return request_eviction(
         extra_args,
         vllm_config.vtoken_config,
         block_size=vllm_config.cache_config.block_size,
         max_model_len=vllm_config.model_config.max_model_len,
     )
+
+
+class SessionEviction:
+    """One streaming-input session's settings (AsyncLLM.generate over
+    StreamingInput chunks, each with its own SamplingParams).
+
+    The engine core serves a session as one request: its scheduler and worker
+    read the policy and budget once, when the first chunk arrives, and a later
+    chunk's `extra_args` replace the request's sampling parameters without
+    being read again. So a later chunk must ask for what the first did; one
+    that asks for another policy or budget is refused before it is sent (its
+    session ends there, the chunks before it served), not served silently with
+    the first's settings.
+    """
+
+    def __init__(self, vllm_config) -> None:
+        self._config = vllm_config
+        self._first: RequestEviction | None = None
+        self._chunks = 0
+
+    def check(self, extra_args: dict[str, Any] | None) -> None:
+        """Each chunk in order, after vLLM's own checks of its parameters.
+
+        Raises:
+            VLLMValidationError: The chunk's settings are not the first's.
+        """
+        self._chunks += 1
+        got = _front_end_eviction(extra_args, self._config)
+        if self._first is None:
+            self._first = got
+        elif got != self._first:
+            first, key = self._first, BUDGET_KEY
+            if got.policy != first.policy:
+                key = POLICY_KEY
+            raise VLLMValidationError(
+                f"streaming input: chunk {self._chunks} asks for "
+                f"{POLICY_KEY}={got.policy!r}, {BUDGET_KEY}={got.budget!r}, but "
+                f"its session runs with {first.policy!r}, {first.budget!r} (set "
+                "by its first chunk); a session keeps one policy and budget",
+                parameter=key,
+            )
