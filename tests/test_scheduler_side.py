@@ -808,6 +808,143 @@ def test_a_shared_block_no_holder_has_a_live_token_in_is_freed(reclaim, b_budget
         assert kv.block_pool.get_num_free_blocks() >= free + 1 - 2 * steps
 
 
+def sharing(reclaim, a_budget=14, b_budget=6):
+    """A (the engine's budget) and B (its own), B's prompt hitting A's three
+    prompt blocks b0..b2 (A's prompt run, B's first step taken); and a step
+    of both (`both(running)`, copies acknowledged at once unless `ack`)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, a = setup(reclaim, caching=True, blocks=32, budget=a_budget)
+    b = Request(
+        "B", list(range(100, 113)),
+        SamplingParams(max_tokens=64, extra_args={"kv_budget_tokens": b_budget}),
+        None, block_hasher=a._block_hasher,
+    )  # fmt: skip
+    vt._requests["B"] = b
+    step(kv, vt, a, 12, running=[])
+
+    def both(running, hits=(), ack=True):
+        vt.begin_step(running)
+        assert kv.allocate_slots(a, 1) is not None
+        assert kv.allocate_slots(b, 1, *hits) is not None
+        if hits:
+            b.num_computed_tokens = hits[0]
+        out = vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 1, "B": 1}))
+        for r in (a, b):
+            r.num_computed_tokens += 1
+            r.append_output_token_ids(7)
+        acked = [out.moves.batch_id] if ack and out is not None and out.moves else []
+        vt.on_output(VTokenWorkerOutput(acked_batches=acked))
+        vt.check_integrity()
+        return out
+
+    blocks, hits = kv.get_computed_blocks(b)
+    assert hits == 12
+    both([a], hits=(hits, blocks))
+    return kv, vt, a, b, both
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("reclaim", ["naive", "vtoken"])
+def test_a_holder_emptying_a_block_of_its_own_in_that_step_is_counted_once(
+    reclaim, check, monkeypatch
+):
+    """A kills b1's last live token in the step B empties a block of its own:
+    b1's holders search found B's list, and B was added to the step's batch a
+    second time, so its null count (added per row) missed one: an assertion
+    with the checks on, a miscount (the planner's due list) without (found by
+    review). Now a holder already in the batch keeps its place."""
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", check)
+    kv, vt, a, b, both = sharing(reclaim)
+    b1 = kv.block_pool.blocks[kv.get_block_ids("A")[0][1]]
+    for _ in range(9):  # at the 9th, A's token 7 (b1's last) dies while
+        both([a, b])  # B's own tokens 12..15 do
+    assert b1.ref_cnt == 0
+    vt.reclaimer.check_nulls(["A", "B"])
+    vt.check_integrity()
+
+
+def test_a_source_a_hit_took_in_flight_is_freed_once_its_tokens_are_dead():
+    """A's compaction moves b1's live tokens out while B hits b1 (the copy in
+    flight), and B evicts its own tokens there before the acknowledgement:
+    b1 had live tokens (A's) until the switch, so no death freed it, and
+    after it B held b1 with no live token until it finished (found by
+    review). Now the acknowledgement frees it from B's list too."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, a = setup("vtoken", caching=True, blocks=64)
+    g = Request(
+        "G", list(range(100, 113)),
+        SamplingParams(max_tokens=64, extra_args={"kv_budget_tokens": 4}),
+        None, block_hasher=a._block_hasher,
+    )  # fmt: skip
+    vt._requests["G"] = g
+
+    def run(running, sched, hits=None, ack=()):
+        vt.begin_step(running)
+        for r, n in sched:
+            if r is g and hits is not None:
+                assert kv.allocate_slots(g, n, *hits) is not None
+                g.num_computed_tokens = hits[0]
+            else:
+                assert kv.allocate_slots(r, n) is not None
+        scheduled = {r.request_id: n for r, n in sched}
+        out = vt.end_step(SimpleNamespace(num_scheduled_tokens=scheduled))
+        for r, n in sched:
+            r.num_computed_tokens += n
+            r.append_output_token_ids(7)
+        vt.on_output(VTokenWorkerOutput(acked_batches=list(ack)))
+        vt.check_integrity()
+        return out
+
+    run([], [(a, 12)])
+    b1 = kv.block_pool.blocks[kv.get_block_ids("A")[0][1]]
+    out = run([a], [(a, 1)])  # A's 1..6 die: b0, b1 evacuated, in flight
+    assert out.moves is not None and vt.reclaimer._busy[b1.block_id] >= 0
+    blocks, hits = kv.get_computed_blocks(g)
+    assert hits == 12
+    run([a], [(a, 1), (g, 1)], hits=(hits, blocks))
+    assert b1.ref_cnt == 2
+    run([a, g], [(a, 1), (g, 1)], ack=[out.moves.batch_id])  # G's b1 dies
+    assert vt.pool.block_live[b1.block_id] == 0
+    assert b1.block_id not in kv.get_block_ids("G")[0]
+    assert b1.ref_cnt == 0 and b1.block_hash is not None  # back, still cached
+    vt.reclaimer.check_nulls(["A", "G"])
+
+
+@pytest.mark.parametrize("leaves", ["finished", "preempted"])
+@pytest.mark.parametrize("reclaim", ["naive", "vtoken"])
+def test_a_shared_block_its_last_live_holder_leaves_is_freed(reclaim, leaves):
+    """B's tokens in b1 (a prefix-cache hit on A's prompt) die first; when A,
+    which still has live tokens there, finishes or is preempted, B keeps b1
+    with no live token, and no death comes to free it: it stayed held until
+    B finished. Now A's leaving frees it from B's list, back to the pool
+    once, still cached."""
+    kv, vt, a, b, both = sharing(reclaim, a_budget=24)
+    b1 = kv.block_pool.blocks[kv.get_block_ids("A")[0][1]]
+    for _ in range(2):
+        both([a, b])
+    assert not set(vt.pool.live_idx("B").tolist()) & {4, 5, 6, 7}  # b1's: dead
+    assert {4, 5, 6, 7} <= set(vt.pool.live_idx("A").tolist()) and b1.ref_cnt == 2
+    if leaves == "finished":
+        vt.on_free(a)
+    else:
+        vt.on_preempt(a)
+    kv.free(a)
+    assert b1.block_id not in kv.get_block_ids("B")[0]
+    assert b1.ref_cnt == 0 and b1.block_hash is not None
+    queue = kv.block_pool.free_block_queue.get_all_free_blocks()
+    assert [x.block_id for x in queue].count(b1.block_id) == 1
+    vt.reclaimer.check_nulls(["B"])
+    vt.check_integrity()
+
+
 def test_reclaimed_blocks_counts_the_blocks_back_in_the_pool():
     """A block freed while another request holds it (an evacuated source
     the prefix cache handed out meanwhile) is not back in the pool: it

@@ -198,15 +198,24 @@ class BlockReclaimer:
             if not idle.any():
                 return
             seg, blk, entry = seg[idle], blk[idle], entry[idle]
-        any_shared = False
+        shared = None
         if self._caching:  # (requests share blocks through the cache only)
             refs = map(_REF_CNT, map(self.block_pool.blocks.__getitem__, blk.tolist()))
             shared = np.fromiter(refs, np.int64, blk.size) > 1
-            any_shared = bool(np.logical_or.reduce(shared))
-            if any_shared:
-                rids, rows, seg, blk, entry = self._with_holders(
-                    rids, rows, seg, blk, entry, np.unique(blk[shared])
-                )
+            shared = np.unique(blk[shared]) if np.logical_or.reduce(shared) else None
+        self._null_and_free(rids, rows, seg, blk, entry, shared)
+
+    def _null_and_free(self, rids, rows, seg, blk, entry, shared=None) -> None:
+        """Blocks blk[j] of rids[seg[j]] (row rows[seg[j]]) written at
+        entry[j] leave their lists and go back to the pool; `shared` (block
+        ids, or None) those of them other lists may hold too, which they
+        leave as well (their holders' tokens there are dead too)."""
+        if shared is not None:
+            rids, rows, seg, blk, entry = self._with_holders(
+                rids, rows, seg, blk, entry, shared
+            )
+            if not seg.size:
+                return
         # Where their tokens were written, mostly (else found in the list),
         # in list order per request, as _null_out frees them.
         order = np.lexsort((entry, seg))
@@ -216,16 +225,45 @@ class BlockReclaimer:
         )  # fmt: skip
         held = nulled.nonzero()[0]
         if held.size:  # distinct requests: one add
-            pool.add_nulls(rows[held], nulled[held])
+            self.pool.add_nulls(rows[held], nulled[held])
         freed.reverse()  # tail first (see _free)
-        if any_shared:  # one block from several lists
+        if shared is not None:  # one block from several lists
             freed = self._release_repeats(freed)
         self._free(freed)
 
+    def free_left_behind(self, rid: str) -> None:
+        """Before vLLM frees `rid`'s blocks (it finished or was preempted, and
+        its tokens have left the Token Table): `free_unheld` of those it
+        shares with other lists (a prefix-cache hit)."""
+        blocks = self.req_to_blocks.get(rid) if self._caching else None
+        if not blocks:
+            return
+        refs = np.fromiter(map(_REF_CNT, blocks), np.int64, len(blocks))
+        shared = refs > 1
+        if np.logical_or.reduce(shared):  # (.any(): 3 calls)
+            ids = np.fromiter(map(_ID, blocks), np.int64, len(blocks))[shared]
+            self.free_unheld(ids[ids != self.block_pool.null_block.block_id])
+
+    def free_unheld(self, ids: np.ndarray) -> None:
+        """Blocks `ids` (int64) that a request has just left while other lists
+        still hold them: it finished or was preempted (free_left_behind), or
+        an acknowledged batch moved its tokens out (release_sources). Those
+        left without a live token held their last live tokens in the leaver's
+        table: their other holders' tokens there died before (each evicted
+        its own), and no death will come to free them now. They leave those
+        lists too, back to the pool with their hash (free_empty_blocks)."""
+        if not ids.size:
+            return
+        ids = ids[(self.pool.block_live[ids] == 0) & (self._busy[ids] < 0)]
+        if ids.size:
+            none = np.zeros(0, np.int64)
+            self._null_and_free([], none, none, none, none, np.unique(ids))
+
     def _with_holders(self, rids, rows, seg, blk, entry, shared):
-        """free_empty_blocks' batch with every other list holding blocks
-        `shared` (block ids) at an entry its request has slotted: those
-        requests' tokens there are dead too (the block has no live token)."""
+        """The batch (rids, rows, seg, blk, entry) with every list holding
+        blocks `shared` (block ids) at an entry its request has slotted: a
+        holder already in the batch (it evicted this step too) keeps its
+        segment, so each request is one segment (add_nulls adds per row)."""
         h_rows, h_entry, h_blk = self.blocks.holders(shared)
         num_blocks = self.pool.num_blocks
         known = rows[seg] * num_blocks + blk
@@ -233,13 +271,25 @@ class BlockReclaimer:
         if not new.any():
             return rids, rows, seg, blk, entry
         h_rows, h_entry, h_blk = h_rows[new], h_entry[new], h_blk[new]
-        others, h_seg = np.unique(h_rows, return_inverse=True)
-        rid_of = {row: rid for rid, row in self.pool.arena.index.items()}
-        rids = list(rids) + [rid_of[r] for r in others.tolist()]
+        holders, h_seg = np.unique(h_rows, return_inverse=True)
+        # The batch's rows are distinct requests: each holder's segment.
+        seg_of = np.full(holders.size, -1, np.int64)
+        if rows.size:
+            by_row = np.argsort(rows)
+            at = np.minimum(
+                np.searchsorted(rows, holders, sorter=by_row), rows.size - 1
+            )
+            hit = rows[by_row[at]] == holders
+            seg_of[hit] = by_row[at[hit]]
+        others = holders[seg_of < 0]
+        seg_of[seg_of < 0] = len(rows) + np.arange(others.size)
+        if others.size:
+            rid_of = {row: rid for rid, row in self.pool.arena.index.items()}
+            rids = list(rids) + [rid_of[r] for r in others.tolist()]
         return (
             rids,
             np.concatenate([rows, others]),
-            np.concatenate([seg, h_seg + len(rows)]),
+            np.concatenate([seg, seg_of[h_seg]]),
             np.concatenate([blk, h_blk]),
             np.concatenate([entry, h_entry]),
         )
@@ -335,6 +385,10 @@ class BlockReclaimer:
         # The fresh blocks that replaced displaced sources came from the pool.
         self.counters.reclaimed_blocks -= num_fresh
         self._free(freed)
+        if self._caching:  # a source a prefix-cache hit took meanwhile
+            held = [b.block_id for b in freed if b.ref_cnt > 0]
+            if held:
+                self.free_unheld(np.array(held, np.int64))
 
     def drop_moves(self, rid: str, rec: RequestState) -> None:
         """Forget a request's in-flight moves; vLLM frees its blocks next.

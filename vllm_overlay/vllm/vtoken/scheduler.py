@@ -320,6 +320,7 @@ class VTokenScheduler:
             self._scores.release(req.request_id)
             self._stale[req.request_id] = self._num_steps
         self.reclaimer.drop_moves(req.request_id, rec)
+        self.reclaimer.free_left_behind(req.request_id)
         self.reclaimer.blocks.reset(req.request_id)
         self.pool.clear_nulls(req.request_id)
 
@@ -335,6 +336,7 @@ class VTokenScheduler:
         # list's mirror, which the Token Table row holds (BlockIndex).
         self.reclaimer.drop_moves(req.request_id, rec)
         self.runtime.release(req.request_id)
+        self.reclaimer.free_left_behind(req.request_id)
         if self._scores is not None:
             self._scores.release(req.request_id)
 
