@@ -113,6 +113,16 @@ def test_a_policy_without_a_budget_evicts_only_requests_that_ask(policy):
         ({"kv_eviction_config": {"seed": 1}}, "--kv-eviction-config without"),
         ({"kv_reclaim": "naive"}, "--kv-reclaim without"),
         ({"kv_reclaim_threshold": 0.5}, "--kv-reclaim-threshold without"),
+        # Taken and ignored before 2026-12-06 (found by review).
+        (
+            {
+                "kv_eviction_policy": "h2o",
+                "kv_budget_tokens": 64,
+                "kv_reclaim": "naive",
+                "kv_reclaim_threshold": 0.5,
+            },
+            "--kv-reclaim-threshold with --kv-reclaim naive does nothing",
+        ),
     ],
 )
 def test_bad_values_fail_at_start_up(kwargs, message):

@@ -90,7 +90,8 @@ def test_upstream_bench_serve_runs_unchanged(server_url):
 PROMPT = "The capital of France is"  # under one block: no prefix-cache hit
 
 
-def complete(server_url: str, xargs: dict | None, max_tokens: int = 160):
+def complete(server_url: str, xargs: dict | None, max_tokens: int = 160, n=1, **body):
+    """A greedy completion of PROMPT; `body`: more of vLLM's request fields."""
     import openai
 
     client = openai.OpenAI(base_url=server_url + "/v1", api_key="none")
@@ -99,10 +100,12 @@ def complete(server_url: str, xargs: dict | None, max_tokens: int = 160):
         prompt=PROMPT,
         max_tokens=max_tokens,
         temperature=0,
+        n=n,
         extra_body={
             "ignore_eos": True,
             "return_token_ids": True,
             **({"vllm_xargs": xargs} if xargs else {}),
+            **body,
         },
     )
 
@@ -147,24 +150,54 @@ def test_each_request_gets_its_own_budget_or_opts_out(server_url, engine):
     assert out.choices[0].token_ids == native["outputs"]["0"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "xargs, message",
     [
         ({"kv_budget": 64}, "unknown vToken request key"),
-        ({"kv_budget_tokens": 8}, "must be in [16, 1024]"),
-        ({"kv_budget_tokens": 4096}, "must be in [16, 1024]"),
+        ({"kv_budget_tokens": 0}, "must be in [1, 1024]"),
+        ({"kv_budget_tokens": 4096}, "must be in [1, 1024]"),
         ({"kv_budget_tokens": "64"}, "must be an integer"),
         ({"kv_eviction_policy": "lru"}, "must be one of"),
         ({"kv_eviction_policy": "scissorhands"}, "needs 'persistence' attention"),
     ],
 )
 def test_bad_request_settings_are_a_400_and_the_server_serves_on(
-    server_url, xargs, message
+    server_url, xargs, message, stream
 ):
+    """Streamed too: the input processor's check (patch 0090) runs once the
+    response has started, so a streamed one was a 200 with an error event
+    in it, until the server checked first (patch 0097)."""
     import openai
 
     with pytest.raises(openai.BadRequestError) as err:
-        complete(server_url, xargs, max_tokens=4)
+        complete(server_url, xargs, max_tokens=4, stream=stream)
     assert err.value.status_code == 400 and message in str(err.value)
     assert complete(server_url, {"kv_budget_tokens": 32}, max_tokens=4).choices
     assert scrape(server_url, "vllm:kv_cache_usage_perc") == 0.0  # nothing leaked
+
+
+def test_a_streamed_chat_s_bad_setting_is_a_400(server_url):
+    import openai
+
+    client = openai.OpenAI(base_url=server_url + "/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError, match="must be one of"):
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            stream=True,
+            extra_body={"vllm_xargs": {"kv_eviction_policy": "lru"}},
+        )
+
+
+def test_beam_search_takes_no_eviction_settings_of_its_own(server_url):
+    """vLLM runs beam search's beams without the request's vllm_xargs, so a
+    budget asked of it (a typo too) was taken and never applied (found by
+    review); opting out, what beam search gets, is taken."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="beam search takes no"):
+        complete(server_url, {"kv_budget_tokens": 64}, 4, 2, use_beam_search=True)
+    out = complete(server_url, {"kv_budget_tokens": "none"}, 4, 2, use_beam_search=True)
+    assert len(out.choices) == 2

@@ -30,12 +30,13 @@ class Cfg:
 
 
 def parse(args, cfg=None):
-    return request_eviction(args, cfg or Cfg(), block_size=B, max_model_len=MAX_LEN)
+    return request_eviction(args, cfg or Cfg(), max_model_len=MAX_LEN)
 
 
 def test_engine_flags_are_the_defaults():
     assert parse(None) == RequestEviction("h2o", 256)
     assert parse({"top_k_logits": 3}) == RequestEviction("h2o", 256)  # not ours
+    assert parse({1: 2}) == RequestEviction("h2o", 256)  # an AttributeError before
     assert parse({"kv_transfer_params": {}}) == RequestEviction("h2o", 256)
     assert parse(None, Cfg(budget=None)) == RequestEviction("none", None)
     assert not parse(None, Cfg("none", None)).evicts
@@ -51,18 +52,21 @@ def test_a_request_brings_its_own_budget_policy_or_opt_out():
         assert parse(opt_out, Cfg("none", None)) == RequestEviction("none", None)
     assert parse({"kv_budget_tokens": B}).budget == B
     assert parse({"kv_budget_tokens": MAX_LEN}).budget == MAX_LEN
+    # Below a block, as the flag may be (a CPU block is 128 tokens): refused
+    # per request before 2026-12-06 (found by review).
+    assert parse({"kv_budget_tokens": 1}).budget == 1
 
 
 def test_a_request_setting_only_the_policy_keeps_the_engine_s_budget():
-    """The engine's budget, whatever start-up took (below a block, past
-    max_model_len: a warning), is a request's unless it sets its own: one
-    setting only the policy is not refused for a budget it never sent."""
-    for budget in (B - 8, MAX_LEN + 100):
-        for args in (None, {"kv_eviction_policy": "streamingllm"}):
-            got = parse(args, Cfg(budget=budget))
-            assert got.budget == budget and got.evicts
-        with pytest.raises(ValueError, match=r"must be in \[16, 2048\]"):
-            parse({"kv_budget_tokens": budget})
+    """The engine's budget, whatever start-up took (past max_model_len: a
+    warning), is a request's unless it sets its own: one setting only the
+    policy is not refused for a budget it never sent."""
+    budget = MAX_LEN + 100
+    for args in (None, {"kv_eviction_policy": "streamingllm"}):
+        got = parse(args, Cfg(budget=budget))
+        assert got.budget == budget and got.evicts
+    with pytest.raises(ValueError, match=r"must be in \[1, 2048\]"):
+        parse({"kv_budget_tokens": budget})
 
 
 def test_the_engine_takes_a_budget_the_front_end_took():
@@ -71,14 +75,12 @@ def test_the_engine_takes_a_budget_the_front_end_took():
     its max_model_len alone, and a refusal there, inside a step, would end
     the engine. The other rules still hold."""
     args = {"kv_budget_tokens": MAX_LEN + 100}
-    with pytest.raises(ValueError, match=r"must be in \[16, 2048\]"):
+    with pytest.raises(ValueError, match=r"must be in \[1, 2048\]"):
         parse(args)  # the front end
-    got = request_eviction(args, Cfg(), block_size=B, max_model_len=None)
+    got = request_eviction(args, Cfg(), max_model_len=None)
     assert got == RequestEviction("h2o", MAX_LEN + 100)
-    with pytest.raises(ValueError, match=r"kv_budget_tokens=15 must be in \[16,"):
-        request_eviction(
-            {"kv_budget_tokens": B - 1}, Cfg(), block_size=B, max_model_len=None
-        )
+    with pytest.raises(ValueError, match=r"kv_budget_tokens=0 must be in \[1,"):
+        request_eviction({"kv_budget_tokens": 0}, Cfg(), max_model_len=None)
 
 
 @pytest.mark.parametrize(
@@ -86,8 +88,16 @@ def test_the_engine_takes_a_budget_the_front_end_took():
     [
         ({"kv_budget": 64}, None, "unknown vToken request key"),
         ({"kv_budget_tokens": 64}, Cfg("none", None), "needs a server started"),
-        ({"kv_budget_tokens": B - 1}, None, r"must be in \[16, 2048\]"),
-        ({"kv_budget_tokens": MAX_LEN + 1}, None, r"must be in \[16, 2048\]"),
+        ({"kv_budget_tokens": 0}, None, r"must be in \[1, 2048\]"),
+        ({"kv_budget_tokens": -3}, None, r"must be in \[1, 2048\]"),
+        ({"kv_budget_tokens": MAX_LEN + 1}, None, r"must be in \[1, 2048\]"),
+        # Checked when the policy opts out too (accepted before 2026-12-06).
+        (
+            {"kv_eviction_policy": "none", "kv_budget_tokens": "junk"},
+            None,
+            "must be an integer",
+        ),
+        ({"kv_eviction_policy": "none", "kv_budget_tokens": 0}, None, r"\[1, 2048\]"),
         ({"kv_budget_tokens": "64"}, None, "must be an integer"),
         ({"kv_budget_tokens": 64.0}, None, "must be an integer"),
         ({"kv_budget_tokens": True}, None, "must be an integer"),
@@ -128,7 +138,6 @@ def session(cfg=None) -> SessionEviction:
     return SessionEviction(
         SimpleNamespace(
             vtoken_config=cfg or Cfg(),
-            cache_config=SimpleNamespace(block_size=B),
             model_config=SimpleNamespace(max_model_len=MAX_LEN),
         )
     )
@@ -173,8 +182,8 @@ def test_a_later_chunk_may_not_change_its_session_s_settings(first, later, key):
 def test_a_session_chunk_s_bad_value_is_refused_as_a_request_s():
     s = session()
     s.check(None)
-    with pytest.raises(ValueError, match=r"must be in \[16, 2048\]"):
-        s.check({"kv_budget_tokens": 4})
+    with pytest.raises(ValueError, match=r"must be in \[1, 2048\]"):
+        s.check({"kv_budget_tokens": 0})
     off = session(Cfg("none", None))
     off.check(None)
     off.check({"kv_budget_tokens": "none"})  # opting out of what it never does

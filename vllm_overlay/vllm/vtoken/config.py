@@ -108,6 +108,11 @@ class VTokenConfig:
                     "choose a policy, or drop the flag"
                 )
             return self
+        if self.kv_reclaim == "naive" and self.kv_reclaim_threshold != 1.0:
+            raise ValueError(
+                "--kv-reclaim-threshold with --kv-reclaim naive does nothing: it "
+                "chooses the blocks compaction empties; drop it or use vtoken"
+            )
         seed = self.kv_eviction_config.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(

@@ -6,7 +6,7 @@ pass `SamplingParams(extra_args=...)`. `extra_args` is shared with logits
 processors and other extensions, so vToken reads only its own keys, named as
 the engine flags they override:
 
-    kv_budget_tokens     int in [block_size, max_model_len], or "none"
+    kv_budget_tokens     int in [1, max_model_len] (as the flag), or "none"
     kv_eviction_policy   a policy this engine can serve, or "none"
 
 "none" (either key) opts the request out: nothing of it is evicted, and its
@@ -15,8 +15,9 @@ not silently serve without eviction), except vLLM's own `kv_transfer_params`.
 The engine flags are the defaults; an engine started with a policy and no
 `--kv-budget-tokens` evicts only for requests that ask for a budget.
 
-Checked by the front end (patch 0090) before the request is scheduled, so a bad
-value is the client's error (HTTP 400), and read again by the scheduler and the
+Checked by the front end (patch 0090; the OpenAI server's before its response
+starts, patch 0097) before the request is scheduled, so a bad value is the
+client's error (HTTP 400), and read again by the scheduler and the
 worker when the request arrives. A streaming-input session is one request to the
 engine core, registered with its first chunk's settings: a later chunk asking
 for others is refused (`SessionEviction`, patch 0095).
@@ -68,7 +69,6 @@ def request_eviction(
     extra_args: dict[str, Any] | None,
     cfg: VTokenConfig,
     *,
-    block_size: int,
     max_model_len: int | None,
 ) -> RequestEviction:
     """The request's eviction settings: its own keys over the engine's flags.
@@ -84,7 +84,7 @@ def request_eviction(
     args = {
         k: v
         for k, v in (extra_args or {}).items()
-        if k.startswith("kv_") and k not in NOT_OURS
+        if isinstance(k, str) and k.startswith("kv_") and k not in NOT_OURS
     }
     engine = RequestEviction(
         cfg.kv_eviction_policy if cfg.kv_budget_tokens is not None else OPT_OUT,
@@ -110,26 +110,14 @@ def request_eviction(
     policy = args.get(POLICY_KEY, cfg.kv_eviction_policy)
     _check_policy(policy, cfg)
     budget = args[BUDGET_KEY] if BUDGET_KEY in args else cfg.kv_budget_tokens
+    if BUDGET_KEY in args and budget != OPT_OUT:  # checked, even opting out
+        _check_budget(budget, max_model_len)
     if policy == OPT_OUT or budget == OPT_OUT:
         return RequestEviction(OPT_OUT, None)
     if budget is None and BUDGET_KEY not in args:
         raise VLLMValidationError(
             f"{POLICY_KEY}={policy!r} needs {BUDGET_KEY}: this server has no "
             "default budget (--kv-budget-tokens)",
-            parameter=BUDGET_KEY,
-        )
-    if isinstance(budget, bool) or not isinstance(budget, int):
-        raise VLLMValidationError(
-            f"{BUDGET_KEY} must be an integer or {OPT_OUT!r}, got {budget!r}",
-            parameter=BUDGET_KEY,
-        )
-    # The bounds are a request's own; the engine's budget, inherited, was
-    # taken at start-up, as it is for a request that sets no key.
-    top = budget if max_model_len is None else max_model_len
-    if BUDGET_KEY in args and not block_size <= budget <= top:
-        raise VLLMValidationError(
-            f"{BUDGET_KEY}={budget} must be in [{block_size}, {top}] "
-            "(one KV block to max_model_len)",
             parameter=BUDGET_KEY,
         )
     try:  # the knobs must suit this budget too (e.g. StreamingLLM's sinks)
@@ -140,6 +128,23 @@ def request_eviction(
             f"{BUDGET_KEY}={budget}: {err}", parameter=BUDGET_KEY
         ) from None
     return RequestEviction(policy, budget)
+
+
+def _check_budget(budget: Any, max_model_len: int | None) -> None:
+    """A request's own budget: an integer from 1 (as --kv-budget-tokens) to
+    `max_model_len` (None: no upper bound checked; an inherited engine
+    budget was taken at start-up, as for a request that sets no key)."""
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise VLLMValidationError(
+            f"{BUDGET_KEY} must be an integer or {OPT_OUT!r}, got {budget!r}",
+            parameter=BUDGET_KEY,
+        )
+    top = budget if max_model_len is None else max_model_len
+    if not 1 <= budget <= top:
+        raise VLLMValidationError(
+            f"{BUDGET_KEY}={budget} must be in [1, {top}] (up to max_model_len)",
+            parameter=BUDGET_KEY,
+        )
 
 
 def _check_policy(policy: Any, cfg: VTokenConfig) -> None:
@@ -174,11 +179,31 @@ def check_request_args(extra_args: dict[str, Any] | None, vllm_config) -> None:
         _front_end_eviction(extra_args, vllm_config)
 
 
+def check_openai_request(
+    xargs: dict[str, Any] | None, beam_search: bool, vllm_config
+) -> None:
+    """The OpenAI server's check of a request's `vllm_xargs`, before its
+    response starts (patch 0097): a streamed response is sent with status 200
+    before the input processor's check runs, so a bad value came back as an
+    error event, not an HTTP 400. Beam search runs its beams as requests
+    without the request's `extra_args`, never evicted: asking it for a
+    policy or budget of its own is refused (opting out is what it gets)."""
+    check_request_args(xargs, vllm_config)
+    if beam_search and xargs:
+        asked = [k for k in KEYS if k in xargs and xargs[k] != OPT_OUT]
+        if asked:
+            raise VLLMValidationError(
+                f"{asked[0]}: beam search takes no per-request eviction "
+                "settings (vLLM runs its beams without vllm_xargs, never "
+                f"evicted); drop the key or set it to {OPT_OUT!r}",
+                parameter=asked[0],
+            )
+
+
 def _front_end_eviction(extra_args, vllm_config) -> RequestEviction:
     return request_eviction(
         extra_args,
         vllm_config.vtoken_config,
-        block_size=vllm_config.cache_config.block_size,
         max_model_len=vllm_config.model_config.max_model_len,
     )
 

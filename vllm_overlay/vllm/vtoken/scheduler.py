@@ -461,7 +461,6 @@ class VTokenScheduler:
         evict = request_eviction(
             req.sampling_params.extra_args if req.sampling_params else None,
             self.cfg,
-            block_size=self.block_size,
             max_model_len=None,  # the front end checked it (check_request_args)
         )
         self.runtime.register(rid, prompt_key(req), evict)

@@ -335,7 +335,6 @@ class VTokenWorker:
         return request_eviction(
             params.extra_args if params is not None else None,
             self.cfg,
-            block_size=self.block_size,
             max_model_len=None,  # the front end checked it (check_request_args)
         )
 
