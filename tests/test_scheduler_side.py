@@ -945,6 +945,20 @@ def test_a_shared_block_its_last_live_holder_leaves_is_freed(reclaim, leaves):
     vt.check_integrity()
 
 
+@pytest.mark.parametrize("leaves", ["finished", "preempted"])
+def test_an_evacuation_undone_before_its_acknowledgement_is_not_counted(leaves):
+    """evacuated_blocks counts cached blocks emptied; an evacuation dropped
+    with its request before the acknowledgement puts its sources back, and
+    stayed counted (found by review)."""
+    kv, vt, req = setup("vtoken", caching=True)
+    step(kv, vt, req, 12, running=[])
+    out = step(kv, vt, req, 1, running=[req], ack=False)
+    assert out.moves is not None and vt.counters.evacuated_blocks == 2
+    vt.on_free(req) if leaves == "finished" else vt.on_preempt(req)
+    kv.free(req)
+    assert (vt.counters.moved_tokens, vt.counters.evacuated_blocks) == (0, 0)
+
+
 def test_reclaimed_blocks_counts_the_blocks_back_in_the_pool():
     """A block freed while another request holds it (an evacuated source
     the prefix cache handed out meanwhile) is not back in the pool: it

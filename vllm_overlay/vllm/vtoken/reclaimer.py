@@ -410,6 +410,8 @@ class BlockReclaimer:
             (i,) = self.blocks.find(rid, [new.block_id])
             self.blocks.replace(rid, i, source)
         self.block_pool.free_blocks(fresh)
+        # Counted when bound: nothing was emptied (hashes hold in flight).
+        self.counters.evacuated_blocks -= sum(b.block_hash is not None for b in src)
         rec.move_batch = None
 
     def detached(self, reqs: Mapping[str, RequestState]) -> dict[str, list[int]]:
