@@ -104,6 +104,21 @@ def step(kv, vt, req, num_new: int, running: list, ack: bool = True):
     return out
 
 
+def test_more_than_one_kv_cache_group_is_refused_at_start_up():
+    """Layers of two KV specs make two block lists a request; the refusals
+    of config.py (hybrid, sliding window, MLA) leave such a text model
+    through, and the scheduler read the first group's only (found by
+    review)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: F401 (first)
+    from vllm.vtoken.config import VTokenConfig
+    from vllm.vtoken.scheduler import VTokenScheduler
+
+    kv = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=[1, 2]))
+    cfg = VTokenConfig(kv_eviction_policy="h2o", kv_budget_tokens=8)
+    with pytest.raises(ValueError, match="does not support 2 KV cache groups"):
+        VTokenScheduler(cfg, kv, B, {})
+
+
 @pytest.mark.parametrize("reclaim", ["naive", "vtoken"])
 def test_hand_computed_step(reclaim):
     kv, vt, req = setup(reclaim)

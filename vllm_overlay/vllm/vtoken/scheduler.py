@@ -65,6 +65,13 @@ class VTokenScheduler:
         block_size: int,
         requests: dict[str, Request],
     ) -> None:
+        groups = len(kv_cache_manager.coordinator.single_type_managers)
+        if groups != 1:  # e.g. layers of two KV shapes; config.py refuses most
+            raise ValueError(
+                f"vToken does not support {groups} KV cache groups (layers with "
+                "different KV specs): a request's Token Table follows one block "
+                "list; start without --kv-eviction-policy"
+            )
         self.cfg = cfg
         self._requests = requests  # the scheduler's own map, read only
         self.block_size = block_size
