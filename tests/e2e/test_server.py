@@ -177,17 +177,26 @@ def test_bad_request_settings_are_a_400_and_the_server_serves_on(
     assert scrape(server_url, "vllm:kv_cache_usage_perc") == 0.0  # nothing leaked
 
 
-def test_a_streamed_chat_s_bad_setting_is_a_400(server_url):
+def test_a_streamed_chat_or_response_s_bad_setting_is_a_400(server_url):
     import openai
 
     client = openai.OpenAI(base_url=server_url + "/v1", api_key="none")
+    bad = {"vllm_xargs": {"kv_eviction_policy": "lru"}}
     with pytest.raises(openai.BadRequestError, match="must be one of"):
         client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": "Hi"}],
             max_tokens=4,
             stream=True,
-            extra_body={"vllm_xargs": {"kv_eviction_policy": "lru"}},
+            extra_body=bad,
+        )
+    with pytest.raises(openai.BadRequestError, match="must be one of"):
+        client.responses.create(
+            model="SmolLM2-135M-Instruct",
+            input="Hi",
+            max_output_tokens=4,
+            stream=True,
+            extra_body=bad,
         )
 
 
