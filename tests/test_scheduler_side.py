@@ -776,38 +776,10 @@ def test_a_shared_block_no_holder_has_a_live_token_in_is_freed(reclaim, b_budget
     as a block another request holds was never freed (found by review).
     With B's budget 6 both lose b1's last tokens in one step; with 8, A
     loses its own two steps before B, whose eviction finds A's list."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-    from vllm.vtoken.messages import VTokenWorkerOutput
-
-    kv, vt, a = setup(reclaim, caching=True, blocks=32)
-    b = Request(
-        "B", list(range(100, 113)),
-        SamplingParams(max_tokens=8, extra_args={"kv_budget_tokens": b_budget}),
-        None, block_hasher=a._block_hasher,
-    )  # fmt: skip
-    vt._requests["B"] = b
-    step(kv, vt, a, 12, running=[])  # A's prompt: b0, b1, b2 cached
-    b0, b1, b2 = (kv.block_pool.blocks[i] for i in kv.get_block_ids("A")[0])
-
-    def both(running, new_b=1, hits=()):
-        vt.begin_step(running)
-        assert kv.allocate_slots(a, 1) is not None
-        assert kv.allocate_slots(b, new_b, *hits) is not None
-        if hits:
-            b.num_computed_tokens = hits[0]
-        out = vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 1, "B": new_b}))
-        for r, n in ((a, 1), (b, new_b)):
-            r.num_computed_tokens += n
-            r.append_output_token_ids(7)
-        acked = [out.moves.batch_id] if out is not None and out.moves else []
-        vt.on_output(VTokenWorkerOutput(acked_batches=acked))
-        vt.check_integrity()
-
-    blocks, hits = kv.get_computed_blocks(b)
-    assert hits == 12
-    both([a], hits=(hits, blocks))  # A loses tokens 1..6; B hits b0..b2
-    assert kv.get_block_ids("B")[0][:3] == [b0.block_id, b1.block_id, b2.block_id]
+    kv, vt, a, b, both = sharing(reclaim, a_budget=6, b_budget=b_budget)
+    # A's prompt blocks, B's first three (A loses tokens 1..6 as B hits them).
+    b0, b1, b2 = (kv.block_pool.blocks[i] for i in kv.get_block_ids("B")[0][:3])
+    assert b1.ref_cnt == 2
     free = kv.block_pool.get_num_free_blocks()
     steps = 0
     while b1.ref_cnt and steps < 6:
