@@ -227,7 +227,8 @@ class SessionEviction:
         self._chunks = 0
 
     def check(self, extra_args: dict[str, Any] | None) -> None:
-        """Each chunk in order, after vLLM's own checks of its parameters.
+        """Each chunk in order, after vLLM's streaming-input checks of its
+        parameters and before it is processed or sent.
 
         Raises:
             VLLMValidationError: The chunk's settings are not the first's.
