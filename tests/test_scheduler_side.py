@@ -919,12 +919,14 @@ def test_a_shared_block_its_last_live_holder_leaves_is_freed(reclaim, leaves):
         both([a, b])
     assert not set(vt.pool.live_idx("B").tolist()) & {4, 5, 6, 7}  # b1's: dead
     assert {4, 5, 6, 7} <= set(vt.pool.live_idx("A").tolist()) and b1.ref_cnt == 2
+    reclaimed = vt.counters.reclaimed_blocks
     if leaves == "finished":
         vt.on_free(a)
     else:
         vt.on_preempt(a)
     kv.free(a)
     assert b1.block_id not in kv.get_block_ids("B")[0]
+    assert vt.counters.reclaimed_blocks == reclaimed + 1  # b1, with A's list
     assert b1.ref_cnt == 0 and b1.block_hash is not None
     queue = kv.block_pool.free_block_queue.get_all_free_blocks()
     assert [x.block_id for x in queue].count(b1.block_id) == 1

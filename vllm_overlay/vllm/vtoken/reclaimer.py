@@ -243,6 +243,9 @@ class BlockReclaimer:
         if np.logical_or.reduce(shared):  # (.any(): 3 calls)
             ids = np.fromiter(map(_ID, blocks), np.int64, len(blocks))[shared]
             self.free_unheld(ids[ids != self.block_pool.null_block.block_id])
+            # Those now held by `rid` alone reach the pool as vLLM frees it.
+            refs = np.fromiter(map(_REF_CNT, blocks), np.int64, len(blocks))
+            self.counters.reclaimed_blocks += int(np.add.reduce(shared & (refs == 1)))
 
     def free_unheld(self, ids: np.ndarray) -> None:
         """Blocks `ids` (int64) that a request has just left while other lists
