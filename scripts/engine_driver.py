@@ -401,8 +401,7 @@ class Driver:
     def __init__(self, engine_args: dict) -> None:
         from vllm import LLM
 
-        defaults = engine_defaults()
-        llm = LLM(**{**defaults, **engine_args})
+        llm = LLM(**{**engine_defaults(), **engine_args})
         self.engine, self.tok = llm.llm_engine, llm.get_tokenizer()
         self.sched = self.engine.engine_core.engine_core.scheduler
         schedule = self.sched.schedule
@@ -578,8 +577,7 @@ def run_sessions(spec: dict) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
 
-    defaults = engine_defaults()
-    args = {**defaults, **spec.get("engine", {})}
+    args = {**engine_defaults(), **spec.get("engine", {})}
     tok = AutoTokenizer.from_pretrained(args["model"])
 
     def params(chunk: dict) -> SamplingParams:
@@ -632,16 +630,8 @@ def run_sessions(spec: dict) -> dict:
     return asyncio.run(run())
 
 
-def main() -> None:
-    spec = json.load(open(sys.argv[1]))
-    if "sessions" in spec:  # AsyncLLM: its core runs in a process of its own
-        import vllm
-
-        result = run_sessions(spec)
-        result["vllm_path"] = os.path.realpath(os.path.dirname(vllm.__file__))
-        with open(sys.argv[2], "w") as f:
-            json.dump(result, f)
-        return
+def run_steps(spec: dict) -> dict:
+    """Every workload but `sessions`: one LLMEngine, its core in-process."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     processors = {"logits_processors": [force_tokens()]} if "force" in spec else {}
     if spec.get("count_hook_calls"):
@@ -659,10 +649,7 @@ def main() -> None:
         result = driver.run(spec, "w0-", bool(spec.get("histogram")), calls)
         if calls:
             result.update(python_calls=calls["call"], c_calls=calls["c_call"])
-    import vllm
-
     vt = getattr(driver.sched, "vtoken", None)
-    result["vllm_path"] = os.path.realpath(os.path.dirname(vllm.__file__))
     result.update(
         block_size=driver.sched.block_size,
         counters=dataclasses.asdict(vt.counters) if vt is not None else None,
@@ -670,6 +657,15 @@ def main() -> None:
     if vt is not None:
         vt.check_integrity()
         result["pool_live_end"] = vt.pool.total_live()
+    return result
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    result = run_sessions(spec) if "sessions" in spec else run_steps(spec)
+    import vllm
+
+    result["vllm_path"] = os.path.realpath(os.path.dirname(vllm.__file__))
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 

@@ -237,10 +237,8 @@ class SessionEviction:
         got = _front_end_eviction(extra_args, self._config)
         if self._first is None:
             self._first = got
-        elif got != self._first:
-            first, key = self._first, BUDGET_KEY
-            if got.policy != first.policy:
-                key = POLICY_KEY
+        elif got != (first := self._first):
+            key = POLICY_KEY if got.policy != first.policy else BUDGET_KEY
             raise VLLMValidationError(
                 f"streaming input: chunk {self._chunks} asks for "
                 f"{POLICY_KEY}={got.policy!r}, {BUDGET_KEY}={got.budget!r}, but "
