@@ -179,7 +179,7 @@ _TRITON_CHILD = """
             launches.append(grid)
             return kernel[grid]
     st.score_mass_kernel = Counting()
-    for scored in (True, False):  # False: the plan is built in the forward
+    for scored in (True, False):
         acc = ScoreAccumulator("sum")
         acc.begin_step(len(slots))
         plan = build_triton_read_plan(qsl, indptr, slots, B, np.zeros(6, bool),
@@ -188,6 +188,13 @@ _TRITON_CHILD = """
         read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
                          plan=plan, scores=acc, with_stock=True)
         out = torch.zeros(len(q), hq * D)
+        if not scored:  # no score plan built per layer (a blocking upload)
+            try:
+                triton_forward(read, q, cache, out, 0.3)
+                raise SystemExit("a scored read ran without its score plan")
+            except AssertionError as e:
+                assert "scored=True" in str(e), e
+            continue
         for _layer in range(3):
             triton_forward(read, q, cache, out, 0.3)
         assert len(launches) == 3, launches
@@ -195,6 +202,7 @@ _TRITON_CHILD = """
         assert not out.any()  # score-only: no request writes
         total = acc._step.sum().item()
         assert abs(total - 3 * hq * (qsl[-1] - 3)) < 1e-3, total  # 3 rows stock
+    assert not launches, launches
     print("SCORE-KERNEL-OK")
 """
 

@@ -475,6 +475,11 @@ _WARM_UP_CHILD = """
         seen.append((read.plan.live_lens.numel(), q.shape[0], args[-1] is not None))
         return forward(read, q, *args)
     ta.triton_forward = counting
+    mass, keys = ta.triton_attention_mass, set()
+    def scoring(q, kv, plan, *args):
+        keys.add(plan.kv_slots.numel())
+        return mass(q, kv, plan, *args)
+    ta.triton_attention_mass = scoring
     kv = torch.randn(N, 2, B, H, D)
     before = kv.clone()
     builder = SimpleNamespace(
@@ -492,9 +497,12 @@ _WARM_UP_CHILD = """
     # Triton's int variants (1, divisible by 16, neither): decode in 2D and
     # 3D, and prefill, at each request count.
     assert sorted(seen) == sorted(
-        (n, n * q, split) for n in (1, 2, 16)
-        for q, split in ((1, False), (1, True), (2, False))
+        [(n, n * q, split) for n in (1, 2, 16)
+         for q, split in ((1, False), (1, True), (2, False))] + [(1, 1, False)]
     ), seen
+    # The score kernel's key count too: 1 (one request of one key), 16's
+    # multiples (16 requests of two) and neither.
+    assert keys == {1, 2, 4, 32}, keys
     print("WARM-UP-OK")
 """
 

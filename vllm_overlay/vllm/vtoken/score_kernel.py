@@ -16,8 +16,9 @@ paths here bound the extra memory by a fixed query tile instead:
                       program, pass 1 the rows' log-sum-exp over the keys, pass
                       2 exp(s - lse) summed into the keys' masses (atomics)
 
-The GPU launch reads a `ScorePlan`, built once per step by the worker
-(`build_score_plan`) and shared by every layer, like the read plan.
+The GPU launch reads a `ScorePlan`, built once per step with the read plan
+(`triton_plan.build_triton_read_plan`, in its one upload) and shared by every
+layer; `build_score_plan` builds one on its own (tests, the kernel check).
 Causal mask bottom-right: query i of Lq sits at key position Lk - Lq + i.
 GQA: query head h reads KV head h // (Hq // Hkv).
 """

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.vtoken.score_kernel import build_score_plan, triton_attention_mass
+from vllm.vtoken.score_kernel import triton_attention_mass
 from vllm.vtoken.staging import HostToDevice
 from vllm.vtoken.triton_plan import (
     TritonReadPlan,
@@ -86,14 +86,9 @@ def triton_forward(
         return
     score = plan.score
     rows = read.scores.query_window if read.score_rows is None else read.score_rows
-    if score is None:  # a plan built without `scored`: the tile map per layer
-        score = build_score_plan(
-            read.query_start_loc,
-            read.kv_indptr,
-            read.kv_slots,
-            rows,
-            group=query.shape[1] // kv_cache.shape[3],
-        )
+    # Built once a step with the read plan, in its one upload: built here it
+    # would be a blocking copy from pageable memory in every layer.
+    assert score is not None, "a scored read's plan is built with scored=True"
     assert score.query_window is rows or np.array_equal(score.query_window, rows), (
         "the plan counts other query rows than the read"
     )
@@ -112,18 +107,21 @@ def warm_up(
     buffers, and the score kernel when `scores` are accumulated), so the first
     requests do not stall on Triton compiles. Triton compiles a variant per
     integer argument equal to 1, divisible by 16, or neither (the batch's
-    request and key counts): so 1, 2 and 16 requests. Reads slots 0 and 1
-    into scratch (and the split-KV buffers, scratch as well); writes nothing
-    of the engine's."""
+    request and key counts): so 1, 2 and 16 requests of two keys, and one
+    request of one key (a one-token prompt alone in its step). Reads slots 0
+    and 1 into scratch (and the split-KV buffers, scratch as well); writes
+    nothing of the engine's."""
     _, _, block, num_kv_heads, head_dim = kv_cache.shape
     stage = HostToDevice(kv_cache.device)
     decode = (None,) if split_kv is None else (None, split_kv)  # None: 2D
-    runs = [(n, q, s) for n in WARM_UP_SEQS for q, s in ((1, decode), (2, (None,)))]
-    for num_seqs, num_q, splits in runs:
+    runs = [
+        (n, q, 2, s) for n in WARM_UP_SEQS for q, s in ((1, decode), (2, (None,)))
+    ] + [(1, 1, 1, (None,))]
+    for num_seqs, num_q, num_keys, splits in runs:
         plan = build_triton_read_plan(
             np.arange(0, num_q * num_seqs + 1, num_q),
-            np.arange(0, 2 * num_seqs + 1, 2),
-            np.tile(np.arange(2), num_seqs),
+            np.arange(0, num_keys * num_seqs + 1, num_keys),
+            np.tile(np.arange(num_keys), num_seqs),
             block,
             scored=scores is not None,
             score_query_window=getattr(scores, "query_window", None),
