@@ -15,6 +15,10 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
     max_tokens  generation length (int, or one per prompt); EOS is ignored
     arrivals, aborts, extra_args   optional, per request: the step it is added
                 at (default 0), {index: step} to abort it, SamplingParams.extra_args
+    resets      optional, steps before which the prefix cache is reset with
+                every running request preempted (vLLM's weight-update path:
+                reset_prefix_cache(reset_running_requests=True)); "resets" in
+                the output counts the requests so preempted
     turns       {"kind": "prefix" or "chat", "prefix": P, "ask": A}: one request
                 at a time; request i asks prompt i + 1 cut to A after prompt 0 cut
                 to P ("prefix"), or after request i - 1's prompt and output
@@ -436,10 +440,11 @@ class Driver:
             lengths = [lengths] * len(prompts)
         extra = wave.get("extra_args") or [None] * len(prompts)
         aborts = {int(k): v for k, v in (wave.get("aborts") or {}).items()}
+        resets = set(wave.get("resets") or ())
         free_start, outputs, finish_t, steps = pool.get_num_free_blocks(), {}, {}, []
         cached, dead, logprobs, vt = {}, {}, {}, getattr(sched, "vtoken", None)
         scores = {}
-        self.counts = {"preemptions": 0, "max_scheduled": 0}
+        self.counts = {"preemptions": 0, "max_scheduled": 0, "resets": 0}
         t0, added = time.monotonic(), 0
         while added < len(prompts) or engine.has_unfinished_requests():
             step = len(steps)
@@ -457,6 +462,9 @@ class Driver:
                 added += 1
             if to_abort := [f"{tag}{i}" for i, at in aborts.items() if at == step]:
                 engine.abort_request(to_abort)
+            if step in resets:
+                self.counts["resets"] += len(sched.running)
+                assert engine.reset_prefix_cache(reset_running_requests=True)
             t_step = time.perf_counter()
             outs = counted(engine.step, calls) if calls else engine.step()
             t_step = time.perf_counter() - t_step

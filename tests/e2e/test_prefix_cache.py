@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.conftest import assert_within_budget
+
 pytestmark = pytest.mark.e2e
 
 
@@ -87,3 +89,30 @@ def test_a_request_sharing_prefix_blocks_leaves_the_owner_scores_alone(engine, p
         assert run["cached_tokens"]["2"] == 192  # B hit A's blocks, or C's
     assert len(shared["dead"]["1"]) > 256 - 96
     assert shared["dead"]["1"] == control["dead"]["1"]
+
+
+def test_a_reset_with_running_requests_resumes_them_within_budget(engine):
+    """vLLM's weight-update path resets the prefix cache between steps and
+    preempts every running request (reset_prefix_cache(reset_running_requests=
+    True)). Each resumes within its budget: evicted to it before the
+    preemption, as a preemption in schedule() finds it (they resumed with
+    budget + 2 live tokens, found by a fuzzer), its dead list reaching the
+    worker with the resume."""
+    budget = 32
+    run = engine(
+        {
+            "engine": {
+                "enable_prefix_caching": True,
+                "kv_eviction_policy": "streamingllm",
+                "kv_budget_tokens": budget,
+            },
+            "sharegpt": {"n": 3, "min_tokens": 64, "max_tokens": 64},
+            "max_tokens": 40,
+            "resets": [20],
+        }
+    )
+    assert run["resets"] == 3  # all three running, each past its budget
+    assert run["counters"]["evicted_tokens"] > 3 * (64 - budget)
+    assert_within_budget(run, budget)
+    assert all(len(out) == 40 for out in run["outputs"].values())
+    assert run["free_end"] == run["free_start"]

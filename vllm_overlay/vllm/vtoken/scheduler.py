@@ -310,6 +310,16 @@ class VTokenScheduler:
             )
             self._caching.discard(rid)
 
+    def before_preempting_all(self, running: list[Request]) -> None:
+        """vLLM's reset_prefix_cache(reset_running_requests=True) preempts
+        every running request between steps. A preemption in schedule() finds
+        a request evicted to its budget by that step's `begin_step`; here its
+        last output has come in since, and nothing evicted it: its resume
+        would recompute budget + 2 live tokens. The step-start eviction now
+        (its dead list reaches the worker with the next step, as on_preempt
+        keeps it); the next `begin_step` finds these requests waiting."""
+        self.begin_step(running)
+
     def on_preempt(self, req: Request) -> None:
         """Before vLLM frees a preempted request's blocks. Goes: the slots
         (its blocks are freed next), the scores (they restart with the slots),

@@ -188,16 +188,20 @@ class VTokenWorker:
             pool.release_many(done)
             for rid in done:
                 del self._scored[rid]
+        step = so.vtoken
+        # The step's dead first, then the resumed rows' reset, in the
+        # scheduler's order: a request preempted between steps (vLLM's
+        # reset_prefix_cache(reset_running_requests=True)) and resumed at once
+        # was evicted, while slotted, just before (before_preempting_all).
+        # The message's arrays as our own (messages.owned): from another
+        # process they may be views of the transport's buffers.
+        if step is not None and step.dead_req_ids:
+            (rows,) = self._dead.get(step.dead_req_ids, lambda b: (pool.rows(b),))
+            pool.evict_rows(rows, owned(step.dead_indptr), owned(step.dead_idx))
         for rid in resumed:
             if rid in pool:
                 pool.reset_slots(rid)
-        step = so.vtoken
         if step is not None:
-            # The message's arrays as our own (messages.owned): from another
-            # process they may be views of the transport's buffers.
-            if step.dead_req_ids:
-                (rows,) = self._dead.get(step.dead_req_ids, lambda b: (pool.rows(b),))
-                pool.evict_rows(rows, owned(step.dead_indptr), owned(step.dead_idx))
             if step.moves is not None:
                 m = step.moves.received()
                 self._pending[m.batch_id] = m
