@@ -216,6 +216,24 @@ def test_evictions_of_a_request_preempted_in_the_same_step_reach_the_worker():
     vt.check_integrity()
 
 
+def test_a_request_evicted_by_a_reset_and_aborted_before_the_step_is_not_sent():
+    """reset_prefix_cache(reset_running_requests=True) evicts every running
+    request to budget between steps (before_preempting_all), and the engine
+    takes aborts before its next step: an aborted request's dead list stays
+    out of that step's message (its worker releases it first, and would find
+    no row)."""
+    kv, vt, req = setup("vtoken")
+    step(kv, vt, req, 12, running=[])
+    vt.before_preempting_all([req])  # 12 live > budget 6: tokens 1..6 die
+    vt.on_preempt(req)
+    kv.free(req)
+    vt.on_free(req)  # aborted while waiting
+    vt.begin_step([])  # the next step's schedule()
+    out = vt.end_step(SimpleNamespace(num_scheduled_tokens={}))
+    assert out is not None and out.dead_req_ids == [] and not out.dead_idx.size
+    vt.check_integrity()
+
+
 def test_a_prompt_embeds_request_is_served():
     """--enable-prompt-embeds: no prompt token ids (the generator was keyed on
     them, and the engine core died on the request)."""

@@ -182,7 +182,8 @@ class VTokenScheduler:
                 self._num_outputs < self._num_steps
                 or not ((rows >= 0) & (pool.num_slotted_rows(rows) >= limit)).any()
             ), "a request's last output is missing with no batch in flight"
-        self._freed_at_evict = self._num_freed
+        if not self._step_dead:  # else as of the first (before_preempting_all)
+            self._freed_at_evict = self._num_freed
         ok, which, counts, idx = self.runtime.evict_running(rids, rows, prompt, limit)
         if self._caching:
             for rid in self._caching.intersection(compress(rids, ok)):
@@ -237,7 +238,7 @@ class VTokenScheduler:
             idx = np.concatenate([c[2] for c in chunks] + [np.zeros(0, np.int64)])
         if self._num_freed != self._freed_at_evict and not all(
             map(self._reqs.__contains__, ids)
-        ):  # finished since (a step frees none between its two hooks today)
+        ):  # finished since: aborted after a reset's eviction (before_preempting_all)
             gone = [r not in self._reqs for r in ids]
             keep = ~np.asarray(gone)
             idx = idx[np.repeat(keep, counts)]
