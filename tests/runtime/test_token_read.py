@@ -50,7 +50,8 @@ _CHILD = (
         if forward == "cpu":
             plan = build_cpu_read_plan(qsl, indptr, slots, B, H)
         else:
-            plan = build_triton_read_plan(qsl, indptr, slots, B)
+            plan = build_triton_read_plan(qsl, indptr, slots, B, scored=True,
+                                          score_group=Hq // H)
         read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
                          plan=plan, scores=scores)
         out = torch.zeros(len(q), Hq * D)
@@ -84,7 +85,8 @@ _MIXED = (
     for write in (np.ones(3, bool), np.array([True, False, True])):
         scores = ScoreAccumulator("sum")
         scores.begin_step(len(slots))
-        plan = build_triton_read_plan(qsl, indptr, slots, B, write)
+        plan = build_triton_read_plan(qsl, indptr, slots, B, write, scored=True,
+                                      score_group=Hq // H)
         read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
                          plan=plan, scores=scores, with_stock=not write.all())
         out = torch.full((len(q), Hq * D), 7.0)
