@@ -96,9 +96,12 @@ def test_score_plan_tiles_the_counted_rows():
     indptr = np.array([0, 30, 40, 40, 45, 52])
     slots = torch.arange(52)
     plan = build_score_plan(qsl, indptr, slots, None, block_q=8)
-    first, end, start, count = plan.tiles.tolist()
+    first, end, start, count, scratch = plan.tiles.tolist()
     assert first == [0, 8, 16, 20, 25] and end == [20, 20, 20, 21, 28]
     assert start == [0, 0, 0, 30, 45] and count == [30, 30, 30, 10, 7]
+    # "max": only the prefill's rows span tiles; its 30 keys are the scratch's.
+    assert scratch == [0, 0, 0, -1, -1]
+    assert torch.equal(plan.scratch_keys, torch.arange(30))
     assert plan.num_tiles == 5 and plan.tiles.dtype == torch.int32
     assert torch.equal(plan.positions, torch.arange(52))
     win = build_score_plan(qsl, indptr, slots, 2, block_q=8)
@@ -107,6 +110,7 @@ def test_score_plan_tiles_the_counted_rows():
     # Per request (SnapKV under chunked prefill): 3 rows, none, -, -, all 3.
     own = build_score_plan(qsl, indptr, slots, np.array([3, 0, 5, 0, 3]), block_q=8)
     assert own.tiles[0].tolist() == [17, 25] and own.tiles[1].tolist() == [20, 28]
+    assert own.tiles[4].tolist() == [-1, -1] and own.scratch_keys.numel() == 0
     assert build_score_plan(qsl, indptr, slots, None).block_q == 16
     # Fewer query rows per tile as the query heads of a KV head grow (a
     # program holds rows x group): vLLM's rule; 16 rows of 48 heads took
@@ -116,7 +120,7 @@ def test_score_plan_tiles_the_counted_rows():
     assert blocks == [16, 16, 16, 8, 4, 1, 1]
     assert build_score_plan(qsl, indptr, slots, 1, group=48).block_q == 1
     empty = build_score_plan(np.array([0, 3]), np.array([0, 0]), slots[:0], None)
-    assert empty.num_tiles == 0 and empty.tiles.shape == (4, 0)
+    assert empty.num_tiles == 0 and empty.tiles.shape == (5, 0)
 
 
 _TRITON_CHILD = """
@@ -203,6 +207,26 @@ _TRITON_CHILD = """
         total = acc._step.sum().item()
         assert abs(total - 3 * hq * (qsl[-1] - 3)) < 1e-3, total  # 3 rows stock
     assert not launches, launches
+    # "max" keeps a per-head scratch for the keys of requests whose rows span
+    # tiles only (a prefill's): none in a step of decodes, whatever its keys.
+    scratches = []
+    class Capturing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                scratches.append(None if args[5] is args[4] else tuple(args[5].shape))
+                return kernel[grid](*args, **kwargs)
+            return launch
+    st.score_mass_kernel = Capturing()
+    hq, hkv = 4, 2
+    cache = torch.randn(N, 2, B, hkv, D, generator=gen)
+    for q_lens in ([1, 1, 1, 1, 1, 1], [1, 6, 19, 3, 0, 1]):
+        qsl = np.r_[0, np.cumsum(q_lens)]
+        q = torch.randn(int(qsl[-1]), hq, D, generator=gen)
+        plan = build_score_plan(qsl, indptr, slots, None, group=hq // hkv)
+        triton_attention_mass(q, cache, plan, 0.3, "max", block_n=16)
+    # decodes: none; then 16-row tiles: the 19-row prefill's 19 keys only
+    assert scratches == [None, (hq, 19)], scratches
+    st.score_mass_kernel = kernel
     print("SCORE-KERNEL-OK")
 """
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.vtoken.arena import ranges
+
 # fp32 logits per query tile on the torch path (16 MiB): bounds the extra memory.
 TILE_ELEMS = 1 << 22
 # Query rows per GPU program when some request counts more than one row: at
@@ -143,18 +145,23 @@ class ScorePlan:
     The counted query rows of each request (its last `query_window` rows, a
     number or one per request, or all) cut into tiles of `block_q` rows; a
     tile belongs to one request.
-    `tiles` [4, num_tiles] int32 holds per tile its first query row, the end
-    of its request's query rows, and the start and number of the request's
-    keys in `kv_slots`. `positions` is arange(num_keys), the masses' index
-    for `ScoreAccumulator.add`.
+    `tiles` [5, num_tiles] int32 holds per tile its first query row, the end
+    of its request's query rows, the start and number of the request's keys
+    in `kv_slots`, and, for a request whose rows span tiles, the start of its
+    keys in the "max" aggregate's scratch (-1: its rows fit one tile).
+    `scratch_keys` lists those requests' keys (their indices in `kv_slots`):
+    the scratch is [Hq, len(scratch_keys)], a prefill's keys, not the step's.
+    `positions` is arange(num_keys), the masses' index for
+    `ScoreAccumulator.add`.
     """
 
-    tiles: torch.Tensor  # [4, num_tiles] int32, on the device
+    tiles: torch.Tensor  # [5, num_tiles] int32, on the device
     num_tiles: int
     kv_slots: torch.Tensor  # [K] int64, the step's TokenRead.kv_slots
     positions: torch.Tensor  # [K] int64
     block_q: int
     query_window: int | np.ndarray | None
+    scratch_keys: torch.Tensor  # int64, on the device
 
 
 def build_score_plan(
@@ -182,7 +189,7 @@ def build_score_plan(
         The plan; tensors on `kv_slots`'s device, uploaded in one copy.
     """
     assert kv_indptr[-1] == kv_slots.numel(), "plan mismatch"
-    tiles, block_q = score_tiles(
+    tiles, block_q, scratch_keys = score_tiles(
         query_start_loc, kv_indptr, query_window, block_q, group
     )
     dev = kv_slots.device
@@ -193,6 +200,7 @@ def build_score_plan(
         positions=torch.arange(kv_slots.numel(), device=dev),
         block_q=block_q,
         query_window=query_window,
+        scratch_keys=torch.from_numpy(scratch_keys).to(dev),
     )
 
 
@@ -203,7 +211,8 @@ def score_tiles(
     block_q: int | None = None,
     group: int = 1,
 ) -> tuple[np.ndarray, int]:
-    """`build_score_plan`'s host part: (tiles int32 [4, num_tiles], block_q)."""
+    """`build_score_plan`'s host part: (tiles int32 [5, num_tiles], block_q,
+    scratch_keys int64)."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     kv = np.asarray(kv_indptr, dtype=np.int64)
     assert qsl.shape == kv.shape, "plan mismatch"
@@ -217,9 +226,21 @@ def score_tiles(
     req = np.repeat(np.arange(rows.size), per_req)
     nth = np.arange(req.size) - np.repeat(np.cumsum(per_req) - per_req, per_req)
     first = qsl[1:] - rows  # each request's first counted row
-    tiles = np.stack([first[req] + nth * block_q, qsl[1:][req], kv[:-1][req]])
-    tiles = np.concatenate([tiles, klen[req][None]]).astype(np.int32)
-    return tiles, int(block_q)
+    # "max": a request whose rows span tiles sums each head over programs
+    # before the max: its keys get a place in the scratch, in request order.
+    spans = per_req > 1
+    scratch_len = np.where(spans, klen, 0)
+    scratch_at = np.where(spans, np.cumsum(scratch_len) - scratch_len, -1)
+    tiles = np.stack(
+        [
+            first[req] + nth * block_q,
+            qsl[1:][req],
+            kv[:-1][req],
+            klen[req],
+            scratch_at[req],
+        ]
+    ).astype(np.int32)
+    return tiles, int(block_q), ranges(kv[:-1][spans], klen[spans])
 
 
 def triton_attention_mass(
@@ -237,8 +258,9 @@ def triton_attention_mass(
         kv_cache: [N, 2, B, Hkv, D] TRITON_ATTN cache (K at [:, 0], V at [:, 1]).
         plan: The step's `build_score_plan`.
         scale: Softmax scale.
-        aggregate: "mean" (summed over query heads) or "max" (an [Hq, K]
-            scratch, then its max over heads: one kernel and one reduce).
+        aggregate: "mean" (summed over query heads) or "max" (the max over
+            heads in the kernel; for requests whose rows span tiles, a
+            [Hq, their keys] scratch, then its max: one reduce more).
         block_n: Keys per inner tile.
 
     Returns:
@@ -254,13 +276,14 @@ def triton_attention_mass(
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1, "head rows not dense"
     num_keys = plan.kv_slots.numel()
     top = aggregate == "max"
-    mass = torch.zeros(
-        (hq, num_keys) if top else (num_keys,),
-        dtype=torch.float32,
-        device=query.device,
-    )
+    mass = torch.zeros(num_keys, dtype=torch.float32, device=query.device)
     if plan.num_tiles == 0:
-        return mass.amax(dim=0) if top else mass
+        return mass
+    spans = plan.scratch_keys
+    num_scratch = spans.numel() if top else 0
+    scratch = mass  # not read: no tile has a place in a scratch
+    if num_scratch:
+        scratch = torch.zeros(hq, num_scratch, dtype=torch.float32, device=mass.device)
     g_pad = triton.next_power_of_2(hq // hkv)
     assert plan.block_q <= gpu_block_q(hq // hkv), (
         f"a plan of {plan.block_q}-row tiles for {hq // hkv} query heads per "
@@ -272,9 +295,10 @@ def triton_attention_mass(
         plan.kv_slots,
         plan.tiles,
         mass,
+        scratch,
         scale,
         plan.num_tiles,
-        num_keys,
+        num_scratch,
         query.stride(0),
         query.stride(1),
         kv_cache.stride(0),
@@ -291,4 +315,6 @@ def triton_attention_mass(
         TOP=top,
         IEEE=query.dtype == torch.float32,
     )
-    return mass.amax(dim=0) if top else mass
+    if num_scratch:
+        mass[spans] = scratch.amax(dim=0)
+    return mass

@@ -9,7 +9,11 @@ through `kv_slots` from the [N, 2, B, H, D] cache (K half):
 
     pass 1   online max and sum of exp over the visible keys -> lse per row
     pass 2   p = exp(s - lse), summed over the block's rows -> atomic add into
-             mass[key] ("mean"), or per query head into mass[h, key] ("max")
+             mass[key] ("mean"); "max": a request whose counted rows fit one
+             tile has each head's sum whole in the program, whose max over its
+             heads goes to mass[key] by atomic max (masses are >= 0); one whose
+             rows span tiles adds per query head into scratch[h, its keys]
+             (only such requests' keys: a prefill's), maxed after the launch
 
 Nothing [rows, Lk] is stored: registers hold one [BLOCK_M, BLOCK_N] tile.
 """
@@ -60,16 +64,19 @@ def _logits(
     return tl.where(visible, s * scale, float("-inf")), key, kmask
 
 
-@triton.jit
+# Sizes that change every step: no Triton variant per value (1, multiple of 16).
+@triton.jit(do_not_specialize=["num_tiles", "num_scratch"])
 def score_mass_kernel(
     query_ptr,  # [T, Hq, D]
     cache_ptr,  # [N, 2, B, Hkv, D]
     slots_ptr,  # [K] int64
-    tiles_ptr,  # [4, num_tiles] int32: first row, query end, key start, key count
-    mass_ptr,  # float32 [K] ("mean") or [Hq, K] ("max"), zeroed
+    tiles_ptr,  # [5, num_tiles] int32: first row, query end, key start, key
+    # count, the request's keys' start in the scratch ("max"; -1: one tile)
+    mass_ptr,  # float32 [K], zeroed
+    scratch_ptr,  # float32 [Hq, num_scratch], zeroed ("max")
     scale,
     num_tiles,
-    num_keys,
+    num_scratch,
     stride_qt,
     stride_qh,
     stride_cn,
@@ -92,6 +99,7 @@ def score_mass_kernel(
     qend = tl.load(tiles_ptr + num_tiles + tile)
     kstart = tl.load(tiles_ptr + 2 * num_tiles + tile)
     klen = tl.load(tiles_ptr + 3 * num_tiles + tile)
+    soff = tl.load(tiles_ptr + 4 * num_tiles + tile)
     # Block row m: query row row0 + m // G_PAD, query head kvh * G + m % G_PAD.
     offs_m = tl.arange(0, BLOCK_M)
     qi, g = offs_m // G_PAD, offs_m % G_PAD
@@ -129,9 +137,16 @@ def score_mass_kernel(
         )  # fmt: skip
         p = tl.exp(s - lse[:, None])
         if TOP:  # per query head: the max over heads needs each head's sum
-            for gi in tl.static_range(G):
-                col = tl.sum(tl.where((g == gi)[:, None], p, 0.0), 0)
-                dst = mass_ptr + (kvh * G + gi).to(tl.int64) * num_keys + kstart + key
-                tl.atomic_add(dst, col, mask=kmask)
+            if soff < 0:  # every counted row here: the heads' sums are whole
+                top = tl.zeros([BLOCK_N], tl.float32)
+                for gi in tl.static_range(G):
+                    col = tl.sum(tl.where((g == gi)[:, None], p, 0.0), 0)
+                    top = tl.maximum(top, col)
+                tl.atomic_max(mass_ptr + kstart + key, top, mask=kmask)
+            else:
+                for gi in tl.static_range(G):
+                    col = tl.sum(tl.where((g == gi)[:, None], p, 0.0), 0)
+                    head = (kvh * G + gi).to(tl.int64) * num_scratch
+                    tl.atomic_add(scratch_ptr + head + soff + key, col, mask=kmask)
         else:
             tl.atomic_add(mass_ptr + kstart + key, tl.sum(p, 0), mask=kmask)

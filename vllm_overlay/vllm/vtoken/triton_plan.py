@@ -91,7 +91,7 @@ def build_triton_read_plan(
     )
     host["table_rows"] = slots_to_rows(slots, block_size)
     if scored:
-        host["tiles"], block_q = score_tiles(
+        host["tiles"], block_q, host["scratch_keys"] = score_tiles(
             qsl_all, indptr, score_query_window, group=score_group
         )
     dev = stage.upload(host)
@@ -110,6 +110,7 @@ def build_triton_read_plan(
             positions=torch.arange(kv_slots.size, device=device),
             block_q=block_q,
             query_window=score_query_window,
+            scratch_keys=dev["scratch_keys"],
         )
     return TritonReadPlan(
         token_table=table,
