@@ -147,6 +147,32 @@ def test_empty_batch_is_reported():
     assert ex.bytes_copied == 0
     assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
     ex.wait_all()  # nothing pending: a no-op on CPU
+    ex.synchronize()
+
+
+def test_synchronize_waits_for_every_pending_copy_and_leaves_it_to_poll():
+    """Before vLLM's sleep (patch 0055): the host waits for each batch still
+    on the side stream; the batches stay pending, so the next poll reports
+    (and the worker acknowledges) them. Events stubbed: no GPU needed."""
+    from vllm.vtoken.copy_executor import _PendingCopy
+
+    class Event:
+        def __init__(self):
+            self.landed = False
+
+        def synchronize(self):
+            self.landed = True
+
+        def query(self):
+            return self.landed
+
+    ex = KVCopyExecutor(make_caches("cpu"), "cpu", 16)
+    none = torch.empty(0)
+    ex._pending = [_PendingCopy(b, Event(), none, none, none) for b in (5, 6)]
+    assert ex.poll() == []  # still copying
+    ex.synchronize()
+    assert all(p.event.landed for p in ex._pending)
+    assert ex.poll() == [5, 6] and ex.poll() == []
 
 
 @pytest.mark.parametrize(
@@ -296,6 +322,21 @@ def test_gpu_wait_all_orders_current_stream_after_copy():
     torch.cuda.synchronize()
     for old, got in zip(before, snap, strict=True):
         assert torch.equal(got, read_slots(old, "triton", src))
+
+
+@pytest.mark.gpu
+def test_gpu_synchronize_blocks_the_host_until_the_copies_land():
+    caches = make_caches("triton", num_blocks=64, device="cuda")
+    ex = KVCopyExecutor(caches, "triton", 16)
+    _warm_up(ex)
+    before = [c.clone() for c in caches]
+    src, dst = np.arange(0, 30), np.arange(600, 630)
+    _busy_current_stream()  # the side stream waits behind it
+    ex.submit(1, src, dst)
+    ex.synchronize()
+    assert ex.poll() == [1]
+    for old, c in zip(before, caches, strict=True):
+        assert torch.equal(read_slots(c, "triton", dst), read_slots(old, "triton", src))
 
 
 @pytest.mark.gpu

@@ -81,3 +81,32 @@ def test_the_profiling_cache_s_worker_goes_with_that_cache(monkeypatch):
     )
     GPUModelRunner._cleanup_profiling_kv_cache(runner)
     assert runner.kv_caches == [] and runner.vtoken is None
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_lands_the_copies_before_the_allocator_discards_the_cache(
+    monkeypatch, level
+):
+    """Patch 0055: vLLM's sleep discards the KV cache (CuMem unmaps it, in
+    driver calls no stream orders) while a batch of KV moves may still be
+    copying on vToken's side stream. The worker waits for those copies first.
+    (The upstream sleep, CUDA calls stubbed: no GPU needed.)"""
+    from types import SimpleNamespace
+
+    from vllm.device_allocator.cumem import CuMemAllocator
+    from vllm.v1.worker.gpu_worker import Worker
+
+    calls = []
+    allocator = SimpleNamespace(sleep=lambda offload_tags: calls.append("discard"))
+    monkeypatch.setattr(CuMemAllocator, "get_instance", lambda: allocator)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, 1))
+    vtoken = SimpleNamespace(before_sleep=lambda: calls.append("land"))
+    model = torch.nn.Module()
+    worker = SimpleNamespace(model_runner=SimpleNamespace(vtoken=vtoken, model=model))
+    Worker.sleep(worker, level)
+    assert calls == ["land", "discard"]
+    # vToken off: no worker (None), or a runner without the attribute (V2).
+    for runner in (SimpleNamespace(vtoken=None, model=model), SimpleNamespace()):
+        calls.clear()
+        Worker.sleep(SimpleNamespace(model_runner=runner), 1)
+        assert calls == ["discard"]

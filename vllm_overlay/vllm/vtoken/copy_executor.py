@@ -218,6 +218,16 @@ class KVCopyExecutor:
             self._finish(pending)
         self._pending.clear()
 
+    def synchronize(self) -> None:
+        """Blocks the host until every pending copy has landed.
+
+        For vLLM's sleep: the allocator unmaps the KV cache with driver calls
+        that no stream orders, so a stream wait (`wait_all`) is not enough.
+        The batches stay pending: the next `poll()` reports them.
+        """
+        for pending in self._pending:
+            pending.event.synchronize()
+
     def _check_plan(
         self, src_slots: np.ndarray, dst_slots: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:

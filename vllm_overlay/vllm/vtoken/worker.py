@@ -13,6 +13,8 @@
   end_step           (building ModelRunnerOutput) fold this step's attention
                      scores, clear the read state, `apply_moves`, acknowledge.
 
+and, outside the steps, `before_sleep` (vLLM's sleep: in-flight copies land).
+
 `apply_moves` switches the tokens of every batch whose copy has completed to
 their new slots (docs/DESIGN.md §3.3, C2: never before the copy landed).
 
@@ -208,6 +210,14 @@ class VTokenWorker:
                 self._acks.submitted(m.batch_id)
                 self.executor.submit(m.batch_id, m.src_slots, m.dst_slots)
         self.apply_moves()
+
+    def before_sleep(self) -> None:
+        """vLLM's sleep (level 1 or 2) discards the KV cache. Every request
+        was aborted or preempted before (its pause), but a move batch's copy
+        may still be writing the cache on the side stream: it lands first.
+        The next step acknowledges it, and the scheduler, which dropped it
+        with its requests, ignores that."""
+        self.executor.synchronize()
 
     def apply_moves(self) -> None:
         """The paper's `apply_moves`, worker side: batches whose copy completed
