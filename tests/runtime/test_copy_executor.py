@@ -304,15 +304,22 @@ def test_gpu_copy_waits_for_writes_on_current_stream(use_triton):
         assert torch.all(read_slots(c, "triton", dst) == 7.0)
 
 
-@pytest.mark.gpu
-def test_gpu_wait_all_orders_current_stream_after_copy():
+def _a_copy_behind_a_busy_stream():
+    # Batch 1 (slots 0..29 -> 600..629) waits on the side stream behind a busy
+    # current stream; returns the executor, the caches, a copy from before.
     caches = make_caches("triton", num_blocks=64, device="cuda")
     ex = KVCopyExecutor(caches, "triton", 16)
     _warm_up(ex)
     before = [c.clone() for c in caches]
-    src, dst = np.arange(0, 30), np.arange(600, 630)
     _busy_current_stream()
-    ex.submit(1, src, dst)
+    ex.submit(1, np.arange(0, 30), np.arange(600, 630))
+    return ex, caches, before
+
+
+@pytest.mark.gpu
+def test_gpu_wait_all_orders_current_stream_after_copy():
+    ex, caches, before = _a_copy_behind_a_busy_stream()
+    src, dst = np.arange(0, 30), np.arange(600, 630)
     ex.submit(2, np.arange(100, 110), np.arange(700, 710))
     ex.wait_all()  # must not block the host
     assert torch.cuda.current_stream().query() is False
@@ -326,15 +333,10 @@ def test_gpu_wait_all_orders_current_stream_after_copy():
 
 @pytest.mark.gpu
 def test_gpu_synchronize_blocks_the_host_until_the_copies_land():
-    caches = make_caches("triton", num_blocks=64, device="cuda")
-    ex = KVCopyExecutor(caches, "triton", 16)
-    _warm_up(ex)
-    before = [c.clone() for c in caches]
+    ex, caches, before = _a_copy_behind_a_busy_stream()
     src, dst = np.arange(0, 30), np.arange(600, 630)
-    _busy_current_stream()  # the side stream waits behind it
-    ex.submit(1, src, dst)
     ex.synchronize()
-    assert ex.poll() == [1]
+    assert ex.poll() == [1]  # landed: nothing left on the side stream
     for old, c in zip(before, caches, strict=True):
         assert torch.equal(read_slots(c, "triton", dst), read_slots(old, "triton", src))
 
