@@ -137,16 +137,15 @@ def score_mass_kernel(
         )  # fmt: skip
         p = tl.exp(s - lse[:, None])
         if TOP:  # per query head: the max over heads needs each head's sum
-            if soff < 0:  # every counted row here: the heads' sums are whole
-                top = tl.zeros([BLOCK_N], tl.float32)
-                for gi in tl.static_range(G):
-                    col = tl.sum(tl.where((g == gi)[:, None], p, 0.0), 0)
+            top = tl.zeros([BLOCK_N], tl.float32)
+            for gi in tl.static_range(G):
+                col = tl.sum(tl.where((g == gi)[:, None], p, 0.0), 0)
+                if soff < 0:  # every counted row here: the head's sum is whole
                     top = tl.maximum(top, col)
-                tl.atomic_max(mass_ptr + kstart + key, top, mask=kmask)
-            else:
-                for gi in tl.static_range(G):
-                    col = tl.sum(tl.where((g == gi)[:, None], p, 0.0), 0)
+                else:  # rows in other tiles too: summed across programs first
                     head = (kvh * G + gi).to(tl.int64) * num_scratch
                     tl.atomic_add(scratch_ptr + head + soff + key, col, mask=kmask)
+            if soff < 0:
+                tl.atomic_max(mass_ptr + kstart + key, top, mask=kmask)
         else:
             tl.atomic_add(mass_ptr + kstart + key, tl.sum(p, 0), mask=kmask)
