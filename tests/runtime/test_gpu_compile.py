@@ -76,3 +76,90 @@ def test_every_kernel_the_warm_up_launches_compiles_for_the_gpu(capability):
         f"SHARED_LIMIT = {SHARED_LIMIT[capability]}\n" + _CHILD,
         "COMPILED-OK",
     )
+
+
+_NO_COMPILE_AFTER_WARM_UP_CHILD = """
+from types import SimpleNamespace
+
+from vllm.vtoken.copy_executor import slot_pairs
+from vllm.vtoken.kv_copy_triton import TritonKVSlotCopier
+from vllm.vtoken.score_kernel import triton_attention_mass
+from vllm.vtoken.scores import ScoreAccumulator
+from vllm.vtoken.staging import HostToDevice
+from vllm.vtoken.triton_attention import _Read, triton_forward, warm_up
+from vllm.vtoken.triton_plan import build_triton_read_plan
+
+hq, h, d = 32, 8, 128  # Llama-3.1-8B
+N, B, S = 4096, 16, 16
+kv = torch.zeros(N, 2, B, h, d, dtype=torch.bfloat16)
+rows = 128 // h
+split = SimpleNamespace(
+    seq_threshold_3D=rows,
+    num_par_softmax_segments=S,
+    softmax_segm_output=torch.empty(rows, hq, S, d),
+    softmax_segm_max=torch.empty(rows, hq, S),
+    softmax_segm_expsum=torch.empty(rows, hq, S),
+)
+rng = np.random.default_rng(0)
+stage = HostToDevice(torch.device("cpu"))
+steps = [[1] * r for r in (1, 2, 3, 7, 8, 15, 16, 17, 33, 100, 256)]  # decodes
+steps += [[n] for n in (1, 2, 3, 15, 16, 17, 100, 513)]  # prefills
+steps += [[1] * (r - 1) + [77] for r in (2, 9, 40)]  # decodes beside a chunk
+
+
+def step(scores, qlens, extra_keys, write):
+    qlens = np.asarray(qlens)
+    klens = qlens + extra_keys
+    qsl, indptr = np.r_[0, np.cumsum(qlens)], np.r_[0, np.cumsum(klens)]
+    window = None
+    if scores is not None and scores.query_window is not None:
+        window = np.minimum(qlens, scores.query_window)
+    plan = build_triton_read_plan(
+        qsl, indptr, rng.permutation(N * B)[: indptr[-1]], B, write,
+        scored=scores is not None, score_query_window=window,
+        score_group=hq // h, stage=stage,
+    )
+    q = torch.zeros(int(qsl[-1]), hq, d, dtype=kv.dtype)
+    triton_forward(_Read(plan, None), q, kv, torch.empty_like(q), d**-0.5, split)
+    if scores is not None and plan.score.num_tiles:
+        triton_attention_mass(q, kv, plan.score, d**-0.5, scores.aggregate)
+
+
+for scores in (
+    None,
+    ScoreAccumulator("sum"),
+    ScoreAccumulator("sum", aggregate="max"),
+    ScoreAccumulator("window", query_window=8),
+):
+    COMPILED.clear()
+    warm_up(kv, hq, scores, split)
+    warm = {v for _, _, v in COMPILED}
+    for qlens in steps:
+        r = len(qlens)
+        for extra in (0, rng.integers(0, 200, r)):  # a first chunk, a later one
+            for write in (None, np.arange(r) % 2 == 1):  # all rows, some
+                step(scores, qlens, extra, write)
+    new = {(name, v) for name, _, v in COMPILED if v not in warm}
+    assert not new, (scores and scores.mode, sorted(name for name, _ in new))
+copier = TritonKVSlotCopier([kv], B)
+COMPILED.clear()
+pairs = slot_pairs(np.array([0]), np.array([1]))  # KVCopyExecutor.warm_up
+copier.copy(pairs[0, :1], pairs[1, :1])
+for m in (2, 15, 16, 17, 300):
+    pairs = slot_pairs(np.arange(m), np.arange(m, 2 * m))  # as _submit_cuda
+    copier.copy(pairs[0, :m], pairs[1, :m])
+assert len({v for _, _, v in COMPILED}) == 1, COMPILED
+print("NO-COMPILE-OK", len(COMPILED), "launches")
+"""
+
+
+def test_no_step_compiles_a_kernel_variant_the_warm_up_did_not():
+    """The warm-up exists so that no step stalls on a compile (seconds):
+    Triton compiles a variant per specialization of a launch's integer and
+    pointer arguments (1, divisible by 16, or neither; 16-byte aligned or
+    not). After it, steps of every kind (decodes of 1 to 256 requests,
+    prefills of 1 to 513 tokens, first chunks and later ones, decodes beside
+    a chunk, every row read or some), in each score mode, and KV copies of 1
+    to 300 moves, reach only the variants it compiled: Triton's own cache
+    keys, compared."""
+    run_compiling_for(90, _NO_COMPILE_AFTER_WARM_UP_CHILD, "NO-COMPILE-OK")
