@@ -567,6 +567,46 @@ def parallel_section(d: dict, img: str) -> list[str]:
     return out + [""]
 
 
+# The GPU compile report's columns: (kernel, heading).
+GPU_KERNELS = (
+    ("kernel_unified_attention_2d", "read 2D"),
+    ("kernel_unified_attention_3d", "read 3D"),
+    ("reduce_segments", "3D reduce"),
+    ("score_mass_kernel", "score"),
+    ("_copy_kv_slots_kernel", "KV copy"),
+)
+
+
+def gpu_compile_section(d: dict, img: str = "") -> list[str]:
+    out = [
+        "## GPU kernels, compiled without a GPU",
+        "",
+        f"`{d['command']}` ({d['date']}, Triton {d['triton']}): every launch of "
+        "the worker's start-up warm-up (the token read on vLLM's kernel, 2D and "
+        "split-KV 3D with its reduce; scoring, each mode and aggregate; the KV "
+        "copy) compiled to a cubin per CUDA target by Triton's compiler, "
+        "launching nothing. Shape: query heads / KV heads / head size "
+        "(bf16 unless named). Per kernel: registers a thread (ptxas) / shared "
+        "memory KiB (variants compiled), and bytes spilled where any. What a "
+        "GPU must still measure: time, occupancy in use, bandwidth.",
+        "",
+        "| target | shape | " + " | ".join(h for _, h in GPU_KERNELS) + " |",
+        "|---|---|" + "---:|" * len(GPU_KERNELS),
+    ]
+    for target, res in d["targets"].items():
+        for shape, kernels in res["shapes"].items():
+            cells = []
+            for name, _ in GPU_KERNELS:
+                k = kernels[name]
+                cell = f"{k['registers']} / {k['shared_bytes'] / 1024:.1f} "
+                cell += f"({k['variants']})"
+                if k["spill_bytes"]:
+                    cell += f", {k['spill_bytes']} B spilled"
+                cells.append(cell)
+            out.append(f"| {target} | {shape} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 SECTIONS = [
     ("memory", memory_section),
     ("cpu_read", cpu_read_section),
@@ -580,6 +620,7 @@ SECTIONS = [
     ("history", history_section),
     ("arrivals", arrivals_section),
     ("parallel", parallel_section),
+    ("gpu_compile", gpu_compile_section),
 ]
 
 

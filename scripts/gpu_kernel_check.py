@@ -97,6 +97,15 @@ def install_shim(stock: pathlib.Path) -> None:
     sys.path.insert(0, str(root.parent))
 
 
+def find_stock(given: str | None) -> pathlib.Path:
+    """The stock kernel file: `given`, or the first of CANDIDATES found;
+    exits naming where it looked."""
+    found = [pathlib.Path(given)] if given else [x for x in CANDIDATES if x.exists()]
+    if not found or not found[0].exists():
+        sys.exit(f"no stock {UA}; looked in {given or CANDIDATES}")
+    return found[0]
+
+
 def timed(fn, c, reps: int = 20) -> float | None:
     """Median ms of `fn` by CUDA events (None on CPU: not measured)."""
     if not c.gpu:
@@ -385,17 +394,13 @@ def main() -> int:
     p.add_argument("--out", default="gpu_kernel_check.json", help="JSON report")
     p.add_argument("--tiny", action="store_true", help="small sizes (CPU ok)")
     a = p.parse_args()
-    found = (
-        [pathlib.Path(a.stock)] if a.stock else [x for x in CANDIDATES if x.exists()]
-    )
-    if not found or not found[0].exists():
-        sys.exit(f"no stock {UA}; looked in {a.stock or CANDIDATES}")
+    stock = find_stock(a.stock)
     gpu = torch.cuda.is_available()
     if not gpu and not a.tiny:
         sys.exit("no CUDA device: only --tiny runs on CPU (TRITON_INTERPRET=1)")
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads
-    install_shim(found[0])
+    install_shim(stock)
     import vllm  # the shim: nothing of an installed vLLM is read
 
     c = types.SimpleNamespace(
@@ -405,7 +410,7 @@ def main() -> int:
     torch.manual_seed(0)
     report = dict(
         device=torch.cuda.get_device_name() if gpu else "cpu",
-        tiny=a.tiny, stock_kernel=str(found[0]), vllm=vllm.__file__,
+        tiny=a.tiny, stock_kernel=str(stock), vllm=vllm.__file__,
     )  # fmt: skip
     start = time.perf_counter()
     for check in (

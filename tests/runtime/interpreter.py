@@ -42,34 +42,7 @@ def run_under_interpreter(code: str, marker: str, timeout: int = 180) -> None:
     assert proc.returncode == 0 and marker in proc.stdout, proc.stderr[-3000:]
 
 
-# Triton's JIT, compiling for a CUDA target and launching nothing: what the
-# snippet launches is compiled to a cubin as on that GPU (ptxas included)
-# from the CPU tensors' dtypes and alignments; COMPILED lists each launch's
-# (kernel name, shared memory bytes, variant hash).
-COMPILE_ONLY = """\
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
-
-class CompileOnly:
-    def __init__(self, target):
-        self.target = target
-    def get_current_device(self):
-        return 0
-    def get_current_stream(self, device=None):
-        return 0
-    def get_current_target(self):
-        return self.target
-
-COMPILED = []
-_run = JITFunction.run
-def _compile(self, *args, grid, warmup, **kwargs):
-    kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
-    COMPILED.append((self.fn.__name__, kernel.metadata.shared, kernel.hash))
-    return kernel
-JITFunction.run = _compile
-driver.set_active(CompileOnly(GPUTarget("cuda", CAPABILITY, 32)))
-"""
+SCRIPTS = str(pathlib.Path(__file__).resolve().parents[2] / "scripts")
 
 
 def run_compiling_for(
@@ -77,8 +50,13 @@ def run_compiling_for(
 ) -> None:
     """Runs `code` after the preamble with every Triton launch compiled for
     CUDA compute capability `capability` (80: A100, 90: H100/H200) and not
-    run; asserts it exits 0 and prints `marker`."""
-    preamble = PREAMBLE + COMPILE_ONLY.replace("CAPABILITY", str(int(capability)))
+    run (scripts/gpu_compile_report.py's `compile_only`: its list is
+    COMPILED, an entry a launch); asserts it exits 0 and prints `marker`."""
+    preamble = PREAMBLE + (
+        f"sys.path.insert(0, {SCRIPTS!r})\n"
+        "from gpu_compile_report import compile_only\n"
+        f"COMPILED = compile_only({int(capability)})\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", preamble + textwrap.dedent(code), CONFTEST],
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},

@@ -12,23 +12,29 @@ from vllm.vtoken.triton_plan import build_triton_read_plan
 LENS, QLENS = [40, 7, 25], [1, 7, 3]  # decode, full prefill, chunk
 
 
-def step(device: str, write=None):
+def step(device: str, write=None, pack=None):
     gen = torch.Generator().manual_seed(0)
     N, B = 8, 16
     slots = torch.randperm(N * B, generator=gen)[: sum(LENS)].numpy()
     indptr = np.r_[0, np.cumsum(LENS)]
     qsl = np.r_[0, np.cumsum(QLENS)]
-    stage = HostToDevice(device)
+    stage = HostToDevice(device, pack)
     plan = build_triton_read_plan(
         qsl, indptr, slots, B, write, scored=True, stage=stage
     )
     return stage, plan, slots, qsl, indptr
 
 
+@pytest.mark.parametrize("pack", [None, True])
 @pytest.mark.parametrize("write", [None, np.array([True, False, True])])
-def test_the_read_plan_is_one_upload(write):
-    stage, plan, slots, _, _ = step("cpu", write)
+def test_the_read_plan_is_one_upload(write, pack):
+    """On CPU the arrays serve as they are, or (`pack`, the compile checks)
+    packed into one buffer as the GPU's upload lays them out."""
+    stage, plan, slots, _, _ = step("cpu", write, pack)
     assert stage.uploads == 1
+    if pack:  # one buffer, kv_slots first: its view starts it, aligned
+        assert plan.kv_slots.untyped_storage().data_ptr() == plan.kv_slots.data_ptr()
+        assert plan.kv_slots.untyped_storage().nbytes() >= 8 << 16
     np.testing.assert_array_equal(plan.kv_slots.numpy(), slots)
     assert plan.score.kv_slots is plan.kv_slots  # the same upload, not a copy
     rows = plan.token_table.shape[0]
