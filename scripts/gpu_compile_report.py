@@ -21,12 +21,14 @@ gpu_kernel_check.py (whose shim it uses): no GPU, no vLLM install.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -183,7 +185,9 @@ def main() -> int:
         return 0
     (cap,) = a.capability
     # Every variant compiled afresh, so that ptxas reports each one's use.
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="vtoken-triton-")
+    cache = tempfile.mkdtemp(prefix="vtoken-triton-")
+    atexit.register(shutil.rmtree, cache, True)
+    os.environ["TRITON_CACHE_DIR"] = cache
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     install_shim(stock)
     launches = compile_only(cap)
