@@ -55,7 +55,9 @@ def compile_only(capability: int) -> list:
     the variant (ptxas did not run: TRITON_DUMP_PTXAS_LOG=1 and a fresh
     TRITON_CACHE_DIR give them). The worker's upload of the read plan packs
     its arrays on CPU too, as on a GPU: a variant's key includes its
-    pointers' alignment, which their offsets there decide."""
+    pointers' alignment, and on CPU the live slots would otherwise be
+    NumPy's own array (at times only 8-byte aligned), where a GPU reads
+    them from the start of the upload's buffer."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction

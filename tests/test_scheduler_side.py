@@ -234,20 +234,34 @@ def test_a_request_evicted_by_a_reset_and_aborted_before_the_step_is_not_sent():
     vt.check_integrity()
 
 
-def test_a_reset_while_a_move_batch_is_in_flight_undoes_it_and_resumes_within_budget():
+@pytest.mark.parametrize("policy", ["streamingllm", "h2o"])
+def test_a_reset_while_a_move_batch_is_in_flight_undoes_it_and_resumes_within_budget(
+    policy,
+):
     """On a GPU a batch's copy may still be on the side stream when
     reset_prefix_cache(reset_running_requests=True) comes between steps: the
     reset's eviction runs with the batch in flight, the preemption drops it
-    (its blocks go back with the list), and its late acknowledgement
-    changes nothing. The resume recomputes the live tokens only (the CPU
-    worker acknowledges in the same step, so only this path shows it)."""
-    from vllm.vtoken.messages import VTokenWorkerOutput
+    (its blocks go back with the list), and its acknowledgement, arriving
+    with the resume's step, changes nothing. The resume recomputes the live
+    tokens only (the CPU worker acknowledges in the same step, so only this
+    path shows it)."""
+    from vllm.vtoken.messages import ScoreStep, VTokenWorkerOutput
 
-    kv, vt, req = setup("vtoken")
+    kv, vt, req = setup("vtoken", policy=policy)
     free0 = kv.block_pool.get_num_free_blocks()
-    step(kv, vt, req, 12, running=[])
+    vt.begin_step([])
+    assert kv.allocate_slots(req, 12) is not None
+    vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": 12}))
+    req.num_computed_tokens = 12
+    # H2O: heavy hitters 1, 4 and 8 (and the recent 10..12) hold one token
+    # in each of b0 and b1: holes to compact.
+    gain = np.isin(np.arange(12), [1, 4, 8]).astype(np.float32)
+    one = np.array([0, 12])
+    scores = ScoreStep(req_ids=["A"], indptr=one, key_idx=np.arange(12), gain=gain)
+    vt.on_output(VTokenWorkerOutput(scores=scores))
+    req.append_output_token_ids(7)
     out = step(kv, vt, req, 1, running=[req], ack=False)
-    assert out.moves is not None and out.moves.idx.tolist() == [0]
+    assert out.moves is not None
     assert vt.pool.num_live("A") == 7  # budget 6 + the step's token
     vt.before_preempting_all([req])
     assert vt.pool.num_live("A") == 6  # evicted to budget, the batch in flight
@@ -257,17 +271,18 @@ def test_a_reset_while_a_move_batch_is_in_flight_undoes_it_and_resumes_within_bu
     req.num_computed_tokens = 0
     vt.check_integrity()
     assert kv.block_pool.get_num_free_blocks() == free0
-    vt.on_output(VTokenWorkerOutput(acked_batches=[out.moves.batch_id]))  # late
-    vt.check_integrity()
-    assert kv.block_pool.get_num_free_blocks() == free0
     dead = vt.pool.dead_idx("A").tolist()
     vt.begin_step([])  # the resume: every token recomputed, the dead stay dead
     assert kv.allocate_slots(req, req.num_tokens) is not None
     vt.end_step(SimpleNamespace(num_scheduled_tokens={"A": req.num_tokens}))
     req.num_computed_tokens = req.num_tokens
+    vt.on_output(VTokenWorkerOutput(acked_batches=[out.moves.batch_id]))  # late
     vt.check_integrity()
     assert vt.pool.dead_idx("A").tolist() == dead
     assert vt.pool.num_live("A") == 7  # the 6 and the one never computed
+    kv.free(req)
+    vt.on_free(req)
+    assert kv.block_pool.get_num_free_blocks() == free0
 
 
 def test_a_prompt_embeds_request_is_served():

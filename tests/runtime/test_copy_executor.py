@@ -150,29 +150,52 @@ def test_empty_batch_is_reported():
     ex.synchronize()
 
 
-def test_synchronize_waits_for_every_pending_copy_and_leaves_it_to_poll():
-    """Before vLLM's sleep (patch 0055): the host waits for each batch still
-    on the side stream; the batches stay pending, so the next poll reports
-    (and the worker acknowledges) them. Events stubbed: no GPU needed."""
+def test_synchronize_waits_for_the_side_stream_and_leaves_batches_to_poll():
+    """Before vLLM's sleep (patch 0055): the host waits for the side stream,
+    which also holds a batch `wait_all` already handed on (a finished
+    request's, acknowledged in the empty step after sleep's aborts); pending
+    batches stay pending, so the next poll reports them. Stream and events
+    stubbed: no GPU needed."""
     from vllm.vtoken.copy_executor import _PendingCopy
 
-    class Event:
-        def __init__(self):
-            self.landed = False
+    class Stream:  # its copies land when it is waited for
+        landed = False
 
         def synchronize(self):
-            self.landed = True
+            Stream.landed = True
 
+    class Event:
         def query(self):
-            return self.landed
+            return Stream.landed
+
+        def synchronize(self):  # what the first version waited on, alone
+            raise AssertionError("the stream, not each pending event")
 
     ex = KVCopyExecutor(make_caches("cpu"), "cpu", 16)
+    ex._stream = Stream()
     none = torch.empty(0)
     ex._pending = [_PendingCopy(b, Event(), none, none, none) for b in (5, 6)]
     assert ex.poll() == []  # still copying
     ex.synchronize()
-    assert all(p.event.landed for p in ex._pending)
+    assert Stream.landed
     assert ex.poll() == [5, 6] and ex.poll() == []
+    ex.synchronize()  # none pending: the stream still waited for
+
+
+def test_the_copy_table_of_layer_addresses_is_written_again_after_wake_up():
+    """vLLM's wake-up maps the KV cache's pool afresh with its contents lost,
+    and the Triton copier's device table of layer addresses lives there (it
+    is built with the cache): `after_wake_up` writes it again."""
+    from vllm.vtoken.kv_copy_triton import TritonKVSlotCopier
+
+    caches = make_caches("triton", num_blocks=8)
+    ex = KVCopyExecutor(caches, "triton", 16)  # on CPU: no copier of its own
+    ex._triton = copier = TritonKVSlotCopier(caches, 16)
+    want = [c.data_ptr() for c in caches]
+    assert copier.layer_ptrs.tolist() == want
+    copier.layer_ptrs.fill_(0)  # the pool woken: its old contents are gone
+    ex.after_wake_up()
+    assert copier.layer_ptrs.tolist() == want
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,8 @@ def step(scores, qlens, extra_keys, write):
         scored=scores is not None, score_query_window=window,
         score_group=hq // h, stage=stage,
     )
-    q = torch.zeros(int(qsl[-1]), hq, d, dtype=kv.dtype)
+    # As vLLM passes it: a view of the fused QKV projection.
+    q = torch.zeros(int(qsl[-1]), hq + 2 * h, d, dtype=kv.dtype)[:, :hq]
     triton_forward(_Read(plan, None), q, kv, torch.empty_like(q), d**-0.5, split)
     if scores is not None and plan.score.num_tiles:
         triton_attention_mass(q, kv, plan.score, d**-0.5, scores.aggregate)
@@ -137,7 +138,9 @@ def test_no_step_compiles_a_kernel_variant_the_warm_up_did_not():
     pointer arguments (1, divisible by 16, or neither; 16-byte aligned or
     not). After it, steps of every kind (decodes of 1 to 256 requests,
     prefills of 1 to 513 tokens, first chunks and later ones, decodes beside
-    a chunk, every row read or some), in each score mode, and KV copies of 1
-    to 300 moves, reach only the variants it compiled: Triton's own cache
-    keys, compared."""
+    a chunk, every row read or some), in each score mode (sum, its max
+    aggregate, SnapKV's window; Scissorhands' persistence launches as sum
+    does), at Llama-3.1-8B's shape with the query a view of fused QKV, and
+    KV copies of 1 to 300 moves, reach only the variants it compiled:
+    Triton's own cache keys, compared."""
     run_compiling_for(90, _NO_COMPILE_AFTER_WARM_UP_CHILD, "NO-COMPILE-OK")

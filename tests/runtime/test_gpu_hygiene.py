@@ -116,3 +116,36 @@ def test_sleep_lands_the_copies_before_the_allocator_discards_the_cache(
         calls.clear()
         Worker.sleep(SimpleNamespace(model_runner=runner), 1)
         assert calls == ["discard"]
+
+
+def test_wake_up_of_the_kv_cache_writes_vtoken_s_pool_state_again(monkeypatch):
+    """Patch 0055: vLLM's wake_up maps the KV cache's pool afresh (the same
+    addresses, contents lost); the worker rewrites what it keeps there (the
+    copy kernel's layer table) when the KV cache wakes, not the weights
+    alone. (The upstream wake_up, CUDA calls stubbed.)"""
+    from types import SimpleNamespace
+
+    from vllm.device_allocator.cumem import CuMemAllocator
+    from vllm.v1.worker.gpu_worker import Worker
+
+    calls = []
+    allocator = SimpleNamespace(wake_up=lambda tags: calls.append(("map", tags)))
+    monkeypatch.setattr(CuMemAllocator, "get_instance", lambda: allocator)
+    vtoken = SimpleNamespace(after_wake_up=lambda: calls.append("rewrite"))
+    worker = SimpleNamespace(
+        model_runner=SimpleNamespace(vtoken=vtoken),
+        _sleep_saved_buffers={},
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+    for tags, want in (
+        (None, [("map", None), "rewrite"]),
+        (["kv_cache"], [("map", ["kv_cache"]), "rewrite"]),
+        (["weights"], [("map", ["weights"])]),
+    ):
+        calls.clear()
+        Worker.wake_up(worker, tags)
+        assert calls == want, tags
+    worker.model_runner = SimpleNamespace()  # vToken off (the V2 runner)
+    calls.clear()
+    Worker.wake_up(worker, None)
+    assert calls == [("map", None)]

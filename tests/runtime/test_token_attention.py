@@ -472,7 +472,9 @@ _WARM_UP_CHILD = """
     N, H, Hq, B, D, S = 4, 2, 4, 16, 32, 4
     forward, seen = ta.triton_forward, []
     def counting(read, q, *args):
-        seen.append((read.plan.live_lens.numel(), q.shape[0], args[-1] is not None))
+        seen.append(
+            (read.plan.live_lens.numel(), q.shape[0], args[-1] is not None, q.stride(0))
+        )
         return forward(read, q, *args)
     ta.triton_forward = counting
     mass, keys = ta.triton_attention_mass, set()
@@ -495,10 +497,13 @@ _WARM_UP_CHILD = """
     assert not builder.softmax_segm_max[0].isnan().all(), "the 3D path did not run"
     assert torch.equal(kv, before), "the warm-up wrote the cache"
     # Triton's int variants (1, divisible by 16, neither): decode in 2D and
-    # 3D, and prefill, at each request count.
+    # 3D, and prefill, at each request count; each with the query a view of
+    # a fused QKV tensor and contiguous (its row stride is one too).
     assert sorted(seen) == sorted(
-        [(n, n * q, split) for n in (1, 2, 16)
-         for q, split in ((1, False), (1, True), (2, False))] + [(1, 1, False)]
+        [(n, n * q, split, row) for n in (1, 2, 16)
+         for q, split in ((1, False), (1, True), (2, False))
+         for row in ((Hq + 2 * H) * D, Hq * D)]
+        + [(1, 1, False, (Hq + 2 * H) * D), (1, 1, False, Hq * D)]
     ), seen
     # The score kernel's key count too: 1 (one request of one key), 16's
     # multiples (16 requests of two) and neither.

@@ -219,14 +219,24 @@ class KVCopyExecutor:
         self._pending.clear()
 
     def synchronize(self) -> None:
-        """Blocks the host until every pending copy has landed.
+        """Blocks the host until every copy submitted has landed.
 
         For vLLM's sleep: the allocator unmaps the KV cache with driver calls
-        that no stream orders, so a stream wait (`wait_all`) is not enough.
-        The batches stay pending: the next `poll()` reports them.
+        that no stream orders, so a stream wait (`wait_all`) is not enough,
+        and a batch `wait_all` already reported (a finished request's, in
+        the empty step that follows sleep's aborts) may still be copying:
+        the side stream itself is waited for. Pending batches stay pending:
+        the next `poll()` reports them.
         """
-        for pending in self._pending:
-            pending.event.synchronize()
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def after_wake_up(self) -> None:
+        """vLLM's wake-up maps the KV cache's memory pool afresh, at the same
+        addresses but with its contents lost: the copy kernel's table of
+        layer addresses, allocated with the cache, is written again."""
+        if self._triton is not None:
+            self._triton.write_layer_ptrs()
 
     def _check_plan(
         self, src_slots: np.ndarray, dst_slots: np.ndarray

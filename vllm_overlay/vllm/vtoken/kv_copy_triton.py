@@ -108,9 +108,17 @@ class TritonKVSlotCopier:
         self.strides = tuple(first.stride(i) * elt // self.word_bytes for i in range(3))
         self.block_size = block_size
         self._caches = list(kv_caches)
-        self.layer_ptrs = torch.tensor(
-            [c.data_ptr() for c in self._caches], dtype=torch.int64, device=first.device
+        self.layer_ptrs = torch.empty(
+            len(self._caches), dtype=torch.int64, device=first.device
         )
+        self.write_layer_ptrs()
+
+    def write_layer_ptrs(self) -> None:
+        """(Re)writes the device table of layer base addresses (at start-up,
+        and after vLLM's wake-up: allocated in the KV cache's memory pool,
+        it comes back with the cache's addresses but not its contents)."""
+        ptrs = [c.data_ptr() for c in self._caches]
+        self.layer_ptrs.copy_(torch.tensor(ptrs, dtype=torch.int64))
 
     def copy(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copies slot `src_slots[i]` to `dst_slots[i]` in every layer.

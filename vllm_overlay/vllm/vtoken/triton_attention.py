@@ -108,7 +108,8 @@ def warm_up(
     requests do not stall on Triton compiles. Triton compiles a variant per
     integer argument equal to 1, divisible by 16, or neither (the batch's
     request and key counts): so 1, 2 and 16 requests of two keys, and one
-    request of one key (a one-token prompt alone in its step). Reads slots 0
+    request of one key (a one-token prompt alone in its step), each with the
+    query a view of a fused QKV tensor and contiguous. Reads slots 0
     and 1 into scratch (and the split-KV buffers, scratch as well); writes
     nothing of the engine's."""
     _, _, block, num_kv_heads, head_dim = kv_cache.shape
@@ -128,12 +129,17 @@ def warm_up(
             score_group=num_heads // num_kv_heads,
             stage=stage,
         )
-        q = kv_cache.new_zeros(num_q * num_seqs, num_heads, head_dim)
-        for split in splits:
-            out = torch.empty_like(q)
-            triton_forward(_Read(plan, None), q, kv_cache, out, 1.0, split)
-        if scores is not None:
-            triton_attention_mass(q, kv_cache, plan.score, 1.0, scores.aggregate)
+        # The query's row stride is an integer Triton specializes: vLLM
+        # passes a view of the fused QKV projection ((Hq + 2 Hkv) D a row),
+        # or, compiled, possibly a contiguous one (Hq D): both.
+        rows = num_q * num_seqs
+        fused = kv_cache.new_zeros(rows, num_heads + 2 * num_kv_heads, head_dim)
+        for q in (fused[:, :num_heads], fused.new_zeros(rows, num_heads, head_dim)):
+            for split in splits:
+                out = q.new_empty(q.shape)
+                triton_forward(_Read(plan, None), q, kv_cache, out, 1.0, split)
+            if scores is not None:
+                triton_attention_mass(q, kv_cache, plan.score, 1.0, scores.aggregate)
 
 
 def split_kv_buffers(attn_groups: Any) -> Any:

@@ -13,7 +13,8 @@
   end_step           (building ModelRunnerOutput) fold this step's attention
                      scores, clear the read state, `apply_moves`, acknowledge.
 
-and, outside the steps, `before_sleep` (vLLM's sleep: in-flight copies land).
+and, outside the steps, `before_sleep` (vLLM's sleep: in-flight copies land)
+and `after_wake_up` (what vToken keeps in the KV cache's memory pool).
 
 `apply_moves` switches the tokens of every batch whose copy has completed to
 their new slots (docs/DESIGN.md §3.3, C2: never before the copy landed).
@@ -215,9 +216,14 @@ class VTokenWorker:
         """vLLM's sleep (level 1 or 2) discards the KV cache. Every request
         was aborted or preempted before (its pause), but a move batch's copy
         may still be writing the cache on the side stream: it lands first.
-        The next step acknowledges it, and the scheduler, which dropped it
-        with its requests, ignores that."""
+        The scheduler dropped such batches with their requests, and takes
+        their acknowledgements, whenever they come, as of dropped batches."""
         self.executor.synchronize()
+
+    def after_wake_up(self) -> None:
+        """vLLM woke the KV cache's memory pool: what vToken allocated in it
+        (with the cache, at start-up) is rewritten."""
+        self.executor.after_wake_up()
 
     def apply_moves(self) -> None:
         """The paper's `apply_moves`, worker side: batches whose copy completed
