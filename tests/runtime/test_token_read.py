@@ -3,10 +3,15 @@
 The same live tokens laid out as vLLM's CPU cache and as its TRITON_ATTN cache:
 `cpu_forward` and `triton_forward` (Triton under TRITON_INTERPRET=1, on CPU) give
 the same output and feed the score accumulator the same attention mass, over two
-layers reading through the one plan the worker builds per step.
+layers reading through the one plan the worker builds per step. And the
+host part of the TRITON_ATTN plan: slots to rows, the token table.
 """
 
 from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
 
 from tests.runtime.interpreter import run_under_interpreter
 
@@ -111,3 +116,43 @@ _MIXED = (
 
 def test_gpu_read_overwrites_only_the_rows_of_requests_with_a_dead_token():
     run_under_interpreter(_MIXED, "MIXED-READ-OK")
+
+
+@pytest.mark.parametrize("block", [1, 2, 16, 64])
+def test_slots_map_to_rows_of_the_one_token_page_view(block):
+    """Slot (n, b) is K row n * 2B + b of the [N * 2 * B, 1, H, D] view (the
+    formula of division, which the shift replaced)."""
+    from vllm.vtoken.triton_plan import slots_to_rows
+
+    slots = np.random.default_rng(block).integers(0, 1 << 20, 5000)
+    want = (slots // block) * (2 * block) + slots % block
+    np.testing.assert_array_equal(slots_to_rows(slots, block), want)
+    got = slots_to_rows(torch.from_numpy(slots), block)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("write", [None, [True, False, True, True]])
+def test_the_token_table_holds_each_written_row_s_keys_then_zeros(write, pack):
+    """build_triton_read_plan's table: row r the rows of request r's keys in
+    order, then row 0 (a valid address the kernel masks) to a width of 64's
+    multiple; requests not written left out."""
+    from vllm.vtoken.staging import HostToDevice
+    from vllm.vtoken.triton_plan import build_triton_read_plan, slots_to_rows
+
+    lens, qlens, B = [5, 70, 1, 33], [1, 3, 1, 33], 16
+    indptr, qsl = np.r_[0, np.cumsum(lens)], np.r_[0, np.cumsum(qlens)]
+    slots = np.random.default_rng(0).permutation(4096)[: indptr[-1]]
+    plan = build_triton_read_plan(
+        qsl, indptr, slots, B, None if write is None else np.array(write),
+        stage=HostToDevice("cpu", pack),
+    )  # fmt: skip
+    kept = [r for r in range(4) if write is None or write[r]]
+    table = plan.token_table.numpy()
+    width = 128 if 1 in kept else 64  # the longest kept row, to 64's multiple
+    assert table.shape == (len(kept), width) and table.dtype == np.int32
+    for i, r in enumerate(kept):
+        keys = slots_to_rows(slots[indptr[r] : indptr[r + 1]], B)
+        np.testing.assert_array_equal(table[i, : lens[r]], keys)
+        assert not table[i, lens[r] :].any()
+    np.testing.assert_array_equal(plan.live_lens.numpy(), np.array(lens)[kept])
