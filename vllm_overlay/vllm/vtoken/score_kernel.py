@@ -210,7 +210,7 @@ def score_tiles(
     query_window: int | np.ndarray | None,
     block_q: int | None = None,
     group: int = 1,
-) -> tuple[np.ndarray, int]:
+) -> tuple[np.ndarray, int, np.ndarray]:
     """`build_score_plan`'s host part: (tiles int32 [5, num_tiles], block_q,
     scratch_keys int64)."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
