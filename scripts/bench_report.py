@@ -234,7 +234,7 @@ def sla_section(d: dict, img: str) -> list[str]:
         + " | best tok/s within SLA |",
         "|---|" + "---|" * len(d["rates"]) + "---:|",
     ]
-    for mode in ("native", "naive", "vtoken"):
+    for mode in d.get("modes", ("native", "naive", "vtoken")):
         runs = [d["results"][f"{mode}/{x}"] for x in d["rates"]]
         cells = [f"{r['output_throughput']:.1f}, {r['p95_e2el_ms']:.0f}" for r in runs]
         out.append(

@@ -289,6 +289,12 @@ def check_sla_run(res: dict, args, what: str, log: pathlib.Path) -> None:
         )
 
 
+def sla_modes(args) -> list[tuple[str, str, str]]:
+    """The MODES --modes names, in MODES' order; native always (the SLA is
+    1.05x its p95)."""
+    return [m for m in MODES if m[0] == "native" or m[0] in args.modes]
+
+
 def cmd_sla(args) -> dict:
     engine = {
         "max_model_len": sla_max_model_len(args),
@@ -296,8 +302,8 @@ def cmd_sla(args) -> dict:
         **engine_args(args),
     }
     model = engine.pop("model", None) or os.environ["VTOKEN_MODEL_DIR"]
-    results = {}
-    for mode, policy, reclaim in MODES:
+    results, modes = {}, sla_modes(args)
+    for mode, policy, reclaim in modes:
         server = {
             "block_size": 16,
             "served_model_name": "m",
@@ -327,12 +333,13 @@ def cmd_sla(args) -> dict:
                 )
     sla = 1.05 * results[f"native/{args.rates[0]}"]["p95_e2el_ms"]
     best = {}
-    for mode, _, _ in MODES:
+    for mode, _, _ in modes:
         runs = [results[f"{mode}/{r}"] for r in args.rates]
         ok = [r["output_throughput"] for r in runs if r["p95_e2el_ms"] <= sla]
         best[mode] = max(ok, default=0.0)
     return {
         **pick(args, "rates", "pool", "budget", "num_prompts", "gen_len", "prompts"),
+        "modes": [mode for mode, _, _ in modes],
         "max_model_len": engine["max_model_len"],
         "sla_p95_ms": sla,
         "best_throughput": best,
@@ -342,7 +349,7 @@ def cmd_sla(args) -> dict:
 
 def plot_sla(data: dict, png: pathlib.Path) -> None:
     with figure(png) as ax:
-        for mode, _, _ in MODES:
+        for mode in data.get("modes", [m for m, _, _ in MODES]):
             pts = [data["results"][f"{mode}/{r}"] for r in data["rates"]]
             tput = [p["output_throughput"] for p in pts]
             ax.plot(tput, [p["p95_e2el_ms"] for p in pts], marker="o", label=mode)
@@ -838,7 +845,7 @@ EXPERIMENTS = {  # name: (run, plot or None)
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -859,6 +866,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=20, help="arrivals: steps apart")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=[m for m, _, _ in MODES],
+        default=[m for m, _, _ in MODES],
+        help="sla: the servers to run (native always runs)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument(
@@ -867,7 +881,7 @@ def parse_args() -> argparse.Namespace:
         help="memory, scale, history, arrivals: also time this site folder's overlay "
         "(an older series applied to a copy of vLLM; docs/DEVELOPING.md)",
     )
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def main() -> None:

@@ -33,3 +33,21 @@ def test_a_table_names_the_machine_that_ran_it(tmp_path):
     at = lines.index("## Throughput under a latency SLA")
     assert lines[at + 2].startswith("`python scripts/bench_vtoken.py sla")
     assert lines[at + 3] == "Ran on: Box (AMX)."
+
+
+def test_an_sla_run_of_some_modes_renders_those(tmp_path):
+    # bench_gpu.sh --smoke runs native and vtoken only (--modes).
+    import json
+
+    sla = json.loads((REPO / "docs/bench/sla.json").read_text())
+    keep = [k for k in sla["results"] if k.split("/")[0] != "naive"]
+    sla |= {
+        "modes": ["native", "vtoken"],
+        "results": {k: sla["results"][k] for k in keep},
+    }
+    (tmp_path / "sla.json").write_text(json.dumps(sla))
+    lines = bench_report.sections(tmp_path, "img")
+    rows = [
+        x.split(" | ")[0] for x in lines if x.startswith("| n") or x.startswith("| v")
+    ]
+    assert rows == ["| native", "| vtoken"]

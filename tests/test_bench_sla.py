@@ -43,3 +43,16 @@ def test_a_run_with_a_failed_or_short_request_stops_the_benchmark():
         bench.check_sla_run(full | {"completed": 22}, args, "sla native", log)
     with pytest.raises(RuntimeError, match="3000 of 3072 tokens"):
         bench.check_sla_run(full | {"total_output_tokens": 3000}, args, "sla", log)
+
+
+def test_modes_picks_the_servers_and_native_always_runs():
+    # --modes trims the smoke run (bench_gpu.sh --smoke) to two servers; the
+    # SLA is 1.05x native's p95, so native runs whatever is asked.
+    def names(modes):
+        return [m for m, _, _ in bench.sla_modes(SimpleNamespace(modes=modes))]
+
+    assert names(["vtoken"]) == ["native", "vtoken"]
+    assert names(["vtoken", "naive"]) == ["native", "naive", "vtoken"]
+    assert names(["native"]) == ["native"]
+    default = bench.parse_args(["sla"]).modes
+    assert names(default) == ["native", "naive", "vtoken"]

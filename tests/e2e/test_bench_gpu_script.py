@@ -67,6 +67,10 @@ def test_memory_and_capacity_measure_reclamation(smoke):
 def test_sla_and_overhead_complete(smoke):
     sla = load(smoke, "sla")
     assert sla["prompts"] == "random"
+    # --modes: the servers asked for (native, which the SLA is of, and vtoken)
+    assert sla["modes"] == ["native", "vtoken"]
+    assert sorted(sla["results"]) == ["native/4.0", "vtoken/4.0"]
+    assert set(sla["best_throughput"]) == {"native", "vtoken"}
     for key, res in sla["results"].items():
         assert res["completed"] == sla["num_prompts"], key
     over = load(smoke, "overhead")
