@@ -149,3 +149,58 @@ def test_wake_up_of_the_kv_cache_writes_vtoken_s_pool_state_again(monkeypatch):
     calls.clear()
     Worker.wake_up(worker, None)
     assert calls == [("map", None)]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_profile_run_holds_the_token_table_through_its_forward(
+    monkeypatch, enabled
+):
+    """Patch 0052: vLLM sizes the KV cache around what its profile run holds
+    at its peak, and that run has no token read. The model runner reserves
+    the token table's buffer (max_num_seqs x max_model_len, rounded up to 64)
+    before the dummy forward and keeps it for the worker; vToken off, none.
+    (The upstream profile_run, the forward stubbed; a meta device.)"""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.setattr(
+        gpu_model_runner, "get_pp_group", lambda: SimpleNamespace(is_last_rank=True)
+    )
+    held = []
+
+    def dummy_run(num_tokens, is_profile=False):
+        held.append(runner.vtoken_token_table)
+        return None, None
+
+    runner = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            vtoken_config=SimpleNamespace(enabled=enabled),
+            scheduler_config=SimpleNamespace(max_num_seqs=3),
+            model_config=SimpleNamespace(max_model_len=100),
+        ),
+        device=torch.device("meta"),
+        supports_mm_inputs=False,
+        is_pooling_model=False,
+        max_num_tokens=8,
+        vtoken_token_table=None,
+        encoder_cache={},
+        _dummy_run=dummy_run,
+        _dummy_sampler_run=lambda hidden: None,
+        _sync_device=lambda: None,
+    )
+    GPUModelRunner.profile_run(runner)
+    if not enabled:
+        assert held == [None] and runner.vtoken_token_table is None
+        return
+    table = held[0]
+    assert table is runner.vtoken_token_table  # kept past the profile
+    assert table.device.type == "meta" and table.dtype == torch.int32
+    assert table.shape == (3 * 128,)
+    GPUModelRunner.profile_run(runner)  # profiled again: the same buffer
+    assert held[1] is table
+    # On CPU the read has no table: nothing is reserved.
+    runner.device, runner.vtoken_token_table = torch.device("cpu"), None
+    GPUModelRunner.profile_run(runner)
+    assert held[2] is None

@@ -118,6 +118,47 @@ def test_gpu_read_overwrites_only_the_rows_of_requests_with_a_dead_token():
     run_under_interpreter(_MIXED, "MIXED-READ-OK")
 
 
+_STALE = (
+    _SETUP
+    + """
+    from vllm.vtoken.triton_plan import reserve_token_table
+
+    def read(plan):
+        read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
+                         plan=plan, scores=None)
+        out = torch.zeros(len(q), Hq * D)
+        triton_forward(read, q, tri, out, D ** -0.5)
+        return out
+
+    want = read(build_triton_read_plan(qsl, indptr, slots, B))
+    # The reserved buffer as earlier steps leave it: every entry a row id of
+    # the cache (a valid address), none of them this step's padding zeros.
+    buf = reserve_token_table(4, 100, "cpu")
+    assert buf.shape == (4 * 128,) and buf.dtype == torch.int32 and not buf.any()
+    buf.random_(1, N * 2 * B, generator=gen)
+    plan = build_triton_read_plan(qsl, indptr, slots, B, table_buffer=buf)
+    assert plan.token_table.data_ptr() == buf.data_ptr()  # laid in it
+    assert plan.token_table.shape == (3, 64)
+    torch.testing.assert_close(read(plan), want, atol=0, rtol=0)
+    try:  # a step past the reserve: the invariant, named
+        build_triton_read_plan(qsl, indptr, slots, B, table_buffer=buf[:191])
+    except AssertionError as err:
+        assert "past its reserve" in str(err)
+    else:
+        raise SystemExit("a table past its buffer was built")
+    print("STALE-READ-OK")
+"""
+)
+
+
+def test_a_table_laid_in_the_reserved_buffer_reads_past_stale_entries():
+    """A step's token table is the first rows x width entries of the buffer
+    reserved in vLLM's profile run (patch 0052); the entries past each live
+    length keep earlier steps' row ids, which the kernel masks out: the
+    output is the fresh, zero-padded table's to the bit."""
+    run_under_interpreter(_STALE, "STALE-READ-OK")
+
+
 @pytest.mark.parametrize("block", [1, 2, 16, 64])
 def test_slots_map_to_rows_of_the_one_token_page_view(block):
     """Slot (n, b) is K row n * 2B + b of the [N * 2 * B, 1, H, D] view (the

@@ -6,9 +6,14 @@ one-token-page row table `unified_attention` reads as its block table, the
 live lengths, the compacted query rows of the requests the read writes, and
 the score kernel's `ScorePlan`. Everything is computed on the host in NumPy
 and reaches the device in one non-blocking copy (staging.py); on the device
-only a scatter builds the table.
+only a scatter builds the table, in a buffer the model runner reserved in
+vLLM's profile run (`reserve_token_table`), so that vLLM sizes the KV cache
+around it.
 
     slot (n, b)  ->  K row n * 2B + b,  V row the same + B
+
+    the buffer, flat:  | row 0: W ids | row 1: W ids | ... | R' rows | stale ...
+                       a step's table is its first R' * W entries, [R', W]
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def build_triton_read_plan(
     score_query_window: int | np.ndarray | None = None,
     score_group: int = 1,
     stage: HostToDevice | None = None,
+    table_buffer: torch.Tensor | None = None,
 ) -> TritonReadPlan:
     """See `TokenRead` for the arguments. Built on the host, then uploaded in
     one copy through `stage` (staging.py; default: a fresh one on
@@ -63,7 +69,9 @@ def build_triton_read_plan(
     carries the `ScorePlan` of every request with keys, counting each one's
     last `score_query_window` query rows (SnapKV; a number, or one per
     request), or all of them, in tiles sized for `score_group` query heads
-    per KV head (`score_kernel.gpu_block_q`).
+    per KV head (`score_kernel.gpu_block_q`). `table_buffer`: the
+    `reserve_token_table` buffer the token table is laid in (default: a
+    fresh one, zeros).
     """
     if isinstance(kv_slots, torch.Tensor):
         stage = stage or HostToDevice(kv_slots.device)
@@ -82,9 +90,7 @@ def build_triton_read_plan(
         lens, qlens = lens[idx], qlens[idx]
     host["qsl"] = indptr_of(qlens)
     host["lens"] = lens
-    width = max(64, -(-int(lens.max()) // 64) * 64) if lens.size else 0
-    # unified_attention loads table entries up to the live length rounded up
-    # to its tile unmasked: row 0 pads them (a valid address, masked out).
+    width = table_width(int(lens.max())) if lens.size else 0
     # Key j of row r goes to r * width + (j - start of r): one offset a row,
     # repeated (a third of the passes over the keys of a gather by row).
     row_offset = np.arange(lens.size) * width - (np.cumsum(lens) - lens)
@@ -98,7 +104,16 @@ def build_triton_read_plan(
     device = stage.device
     table = None
     if lens.size:
-        table = torch.zeros(lens.size * width, dtype=torch.int32, device=device)
+        size = lens.size * width
+        if table_buffer is None:
+            table_buffer = torch.zeros(size, dtype=torch.int32, device=device)
+        assert size <= table_buffer.numel(), (
+            f"a token table of {lens.size} x {width} past its reserve "
+            f"({table_buffer.numel()}: max_num_seqs x max_model_len)"
+        )
+        # Entries past a live length keep what an earlier step wrote there:
+        # row ids, valid addresses the kernel masks out (table_width).
+        table = table_buffer[:size]
         table[dev["table_at"]] = dev["table_rows"].to(torch.int32)
         table = table.view(lens.size, width)
     score = None
@@ -123,6 +138,32 @@ def build_triton_read_plan(
         score=score,
         kv_slots=dev["kv_slots"],
     )
+
+
+def table_width(longest: int) -> int:
+    """The token table's width for a longest live list of `longest`: a
+    multiple of 64, as unified_attention loads table entries up to the live
+    length rounded up to its tile (at most 32) without a mask. Those entries
+    hold row ids, valid addresses whose keys it masks out."""
+    return max(64, -(-longest // 64) * 64)
+
+
+def reserve_token_table(
+    max_rows: int, max_live: int, device: torch.device | str
+) -> torch.Tensor:
+    """The device buffer every step's token table is laid in: room for
+    `max_rows` rows of `table_width(max_live)` entries, int32, flat, zeros
+    (row 0: a valid address).
+
+    A step's table is rows read x the longest live list read, rounded up:
+    at most max_num_seqs x max_model_len (e.g. 256 x 8k: 8 MiB; 1,024 x
+    128k: 512 MiB). The model runner allocates it inside vLLM's profile run
+    (`VTokenWorker.reserve_token_table`), which sizes the KV cache around
+    what that run holds at its peak; allocated in a step, it came out of
+    the headroom --gpu-memory-utilization leaves, and a step's allocation
+    and memset are gone too."""
+    size = max_rows * table_width(max_live)
+    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def slots_to_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:

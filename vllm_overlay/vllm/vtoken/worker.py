@@ -105,9 +105,12 @@ class VTokenWorker:
         vllm_config: VllmConfig,
         kv_caches: list[torch.Tensor],
         attn_groups: Sequence[Sequence[AttentionGroup]] = (),
+        token_table: torch.Tensor | None = None,
     ) -> None:
         """`attn_groups`: the model runner's, whose TRITON_ATTN metadata
-        builders hold the split-KV buffers the start-up warm-up reads."""
+        builders hold the split-KV buffers the start-up warm-up reads.
+        `token_table`: the buffer `reserve_token_table` gave the model
+        runner in its profile run (GPU; default: one allocated here)."""
         refuse_unsupported_attention(vllm_config)
         self.cfg = cfg = vllm_config.vtoken_config
         self.block_size = B = vllm_config.cache_config.block_size
@@ -136,6 +139,9 @@ class VTokenWorker:
             # Query heads per KV head: the score kernel's tiles are sized by it.
             self._group = heads // kv_caches[0].shape[3]
             warm_up(kv_caches[0], heads, self.scores, split_kv_buffers(attn_groups))
+            if token_table is None:  # no profile run: nothing to size around
+                token_table = self.reserve_token_table(vllm_config, device)
+        self._token_table = token_table
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         self._ranks = RankGroups.of(parallel)
@@ -168,6 +174,25 @@ class VTokenWorker:
         self.counters = VTokenCounters()  # worker_ns only
         if integrity.CHECK:  # for its scheduler, in the same process
             integrity.share_worker_pool(cfg, self.pool)
+
+    @staticmethod
+    def reserve_token_table(
+        vllm_config: VllmConfig, device: torch.device
+    ) -> torch.Tensor | None:
+        """GPU: the buffer each step's token table is laid in, sized for the
+        largest step (triton_plan.reserve_token_table). The model runner
+        allocates it in its profile run and keeps it, so that vLLM's memory
+        profile counts it and sizes the KV cache around it. None on CPU
+        (the CPU read has no table) or with vToken off."""
+        if not vllm_config.vtoken_config.enabled or torch.device(device).type == "cpu":
+            return None
+        from vllm.vtoken.triton_plan import reserve_token_table
+
+        return reserve_token_table(
+            vllm_config.scheduler_config.max_num_seqs,
+            vllm_config.model_config.max_model_len,
+            device,
+        )
 
     @timed("worker_ns")
     def begin_step(self, so: SchedulerOutput) -> None:
@@ -310,6 +335,7 @@ class VTokenWorker:
                 score_query_window=score_rows,
                 score_group=self._group,
                 stage=self._stage,
+                table_buffer=self._token_table,
             )
             kv_slots = plan.kv_slots
         self._read = TokenRead(
