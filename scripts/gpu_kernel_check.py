@@ -174,8 +174,21 @@ def split_kv(b):
     )  # fmt: skip
 
 
+def stale_table(b):
+    """The token table's buffer as the worker holds it after earlier steps
+    (reserved in vLLM's profile run, patch 0052): room for batch `b`, every
+    entry a row id of its cache, none the padding zeros of a fresh table.
+    The kernel must mask what lies past each live length."""
+    from vllm.vtoken.triton_plan import reserve_token_table
+
+    n, _, block = b["cache"].shape[:3]
+    buf = reserve_token_table(len(b["seq"]), int(b["seq"].max()), b["q"].device)
+    return buf.random_(0, n * 2 * block)
+
+
 def vtoken_read(b, out, scores=None, write=None, split=None):
-    """One layer of the overlay's read of batch `b`; returns the runner."""
+    """One layer of the overlay's read of batch `b`, its token table laid in
+    a `stale_table`; returns the runner."""
     from vllm.vtoken.context import TokenRead
     from vllm.vtoken.triton_attention import triton_forward
     from vllm.vtoken.triton_plan import build_triton_read_plan
@@ -185,6 +198,7 @@ def vtoken_read(b, out, scores=None, write=None, split=None):
         b["qsl"], b["indptr"], b["slots"], 16, write,
         scored=scores is not None, score_query_window=window,
         score_group=b["q"].shape[1] // b["cache"].shape[3],
+        table_buffer=stale_table(b),
     )  # fmt: skip
     if scores is not None:
         scores.begin_step(b["slots"].numel())
@@ -358,12 +372,12 @@ def check_syncs(c):
     acc, stage = ScoreAccumulator("sum", c.dev), HostToDevice(c.dev)
     out, slots = torch.zeros_like(b["q"]), b["slots"].cpu().numpy()
     write = np.array([True, False, True])  # rows mixed: one read for scores only
-    group = b["q"].shape[1] // b["cache"].shape[3]
+    group, table = b["q"].shape[1] // b["cache"].shape[3], stale_table(b)
 
     def step():
         plan = build_triton_read_plan(
             b["qsl"], b["indptr"], slots, 16, write, scored=True,
-            score_group=group, stage=stage,
+            score_group=group, stage=stage, table_buffer=table,
         )  # fmt: skip
         acc.begin_step(slots.size)
         read = TokenRead(
