@@ -12,8 +12,8 @@ around it.
 
     slot (n, b)  ->  K row n * 2B + b,  V row the same + B
 
-    the buffer, flat:  | row 0: W ids | row 1: W ids | ... | R' rows | stale ...
-                       a step's table is its first R' * W entries, [R', W]
+    the buffer, flat:  | request 0: W row ids | request 1: W | ... | stale ...
+                       a step's table: its first R' * W entries, [R', W]
 """
 
 from __future__ import annotations
