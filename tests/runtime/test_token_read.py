@@ -131,8 +131,8 @@ _STALE = (
         return out
 
     want = read(build_triton_read_plan(qsl, indptr, slots, B))
-    # The reserved buffer as earlier steps leave it: every entry a row id of
-    # the cache (a valid address), none of them this step's padding zeros.
+    # The reserved buffer as earlier steps leave it, and worse: any row of
+    # the cache's view (the worker leaves K row ids only), no padding zeros.
     buf = reserve_token_table(4, 100, "cpu")
     assert buf.shape == (4 * 128,) and buf.dtype == torch.int32 and not buf.any()
     buf.random_(1, N * 2 * B, generator=gen)

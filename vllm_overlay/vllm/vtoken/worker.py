@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm.logger import init_logger
 from vllm.vtoken import integrity
 from vllm.vtoken.arena import attrs, block_shift, indptr_of, lookup, ranges, values
 from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
     from vllm.v1.worker.utils import AttentionGroup
+
+logger = init_logger(__name__)
 
 # CachedRequestState.num_tokens (prompt + outputs) is a Python property: read
 # its two terms through attrgetter maps instead, so that no Python code runs
@@ -141,6 +144,11 @@ class VTokenWorker:
             warm_up(kv_caches[0], heads, self.scores, split_kv_buffers(attn_groups))
             if token_table is None:  # no profile run: nothing to size around
                 token_table = self.reserve_token_table(vllm_config, device)
+                logger.warning(
+                    "vToken: no profile run reserved the token table; %d MiB "
+                    "allocated now, outside vLLM's memory profile",
+                    token_table.numel() * 4 >> 20,
+                )
         self._token_table = token_table
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
