@@ -159,9 +159,8 @@ def reserve_token_table(
     at most max_num_seqs x max_model_len (e.g. 256 x 8k: 8 MiB; 1,024 x
     128k: 512 MiB). The model runner allocates it inside vLLM's profile run
     (`VTokenWorker.reserve_token_table`), which sizes the KV cache around
-    what that run holds at its peak; allocated in a step, it came out of
-    the headroom --gpu-memory-utilization leaves, and a step's allocation
-    and memset are gone too."""
+    what that run holds at its peak. (Allocated and zeroed in each step, as
+    it was, it came out of the headroom --gpu-memory-utilization leaves.)"""
     size = max_rows * table_width(max_live)
     return torch.zeros(size, dtype=torch.int32, device=device)
 
