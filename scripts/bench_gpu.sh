@@ -28,8 +28,8 @@ done
 log() { echo "[bench_gpu $(date -u +%H:%M:%S)] $*" >&2; }
 
 # Per model: memory (native + H2O naive/vtoken), capacity (bisection per mode),
-# SLA (3 servers; native and vtoken in the smoke) and overhead, these two for the first model only (time
-# budget), and with two GPUs TP=2 / PP=2 (parallel). Random prompts: the weights are random, so only lengths matter.
+# SLA (3 servers; 2 in the smoke) and overhead, these two for the first model
+# only (time budget), and with two GPUs TP=2 / PP=2 (parallel). Random prompts: the weights are random, so only lengths matter.
 if [ "$smoke" = 1 ]; then
   "$VTOKEN_REPO/scripts/setup_env.sh" >&2
   py=$VTOKEN_PY models="tiny-llama" out=${out:-$(mktemp -d)}
@@ -38,7 +38,7 @@ if [ "$smoke" = 1 ]; then
   eng='{"load_format": "dummy", "max_model_len": 512, "enforce_eager": true}'
   mem=(--requests 4 --prompt-len 64 --gen-len 48 --budget 48 --repeats 1)  # one run a mode: the path, not a timing
   cap=(--pools 48 --prompt-len 64 --gen-len 32)
-  # Two servers, not three: naive's is the same server path (~40 s of CI).
+  # Native and vtoken: naive's server takes the same path (~15-25 s of CI).
   sla=(--pool 64 --budget 48 --prompt-len 64 --gen-len 16 --num-prompts 4 --rates 4 --modes native vtoken)
   ovh=(--requests 4 --prompt-len 64 --gen-len 16 --repeats 1)
 else

@@ -35,6 +35,7 @@ MODES = [
     ("naive", "h2o", "naive"),
     ("vtoken", "h2o", "vtoken"),
 ]
+MODE_NAMES = [mode for mode, _, _ in MODES]
 RECLAIMS = ("naive", "vtoken")  # the memory experiment runs every policy in both
 COUNTERS = ("evicted_tokens", "moved_tokens", "reclaimed_blocks")
 PREFIX_COUNTERS = ("evacuated_blocks", "tight_plans", "moved_tokens")
@@ -349,7 +350,7 @@ def cmd_sla(args) -> dict:
 
 def plot_sla(data: dict, png: pathlib.Path) -> None:
     with figure(png) as ax:
-        for mode in data.get("modes", [m for m, _, _ in MODES]):
+        for mode in data.get("modes", MODE_NAMES):
             pts = [data["results"][f"{mode}/{r}"] for r in data["rates"]]
             tput = [p["output_throughput"] for p in pts]
             ax.plot(tput, [p["p95_e2el_ms"] for p in pts], marker="o", label=mode)
@@ -869,8 +870,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=[m for m, _, _ in MODES],
-        default=[m for m, _, _ in MODES],
+        choices=MODE_NAMES,
+        default=MODE_NAMES,
         help="sla: the servers to run (native always runs)",
     )
     p.add_argument("--repeats", type=int, default=3)
