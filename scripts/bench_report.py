@@ -430,6 +430,7 @@ def split_table(d: dict) -> list[str]:
     if not rows:
         return []
     before = any("before_host_mean_ms" in r for r in rows.values())
+    admit = all("admit_us" in r for r in rows.values())
     out = [
         "",
         "Steps that plan compaction and steps that do not: a step that plans "
@@ -437,11 +438,20 @@ def split_table(d: dict) -> list[str]:
         "is about twice a quiet step's; where about half the steps plan, the "
         "median above falls on either kind from run to run. Per kind the median "
         "host ms a step, and the mean over every steady step (what throughput "
-        "pays)" + (", now / the baseline overlay's" if before else "") + ".",
+        "pays)"
+        + (", now / the baseline overlay's" if before else "")
+        + "."
+        + (
+            " Admitting: vToken's host time in every step before the steady ones "
+            "(registration, the prompts' slots, the first decodes), a request."
+            if admit
+            else ""
+        ),
         "",
         "| running | policy | steps that plan | host ms, quiet steps "
-        "| host ms, steps that plan | host ms, mean |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| host ms, steps that plan | host ms, mean |"
+        + (" host µs a request, admitting |" if admit else ""),
+        "|---:|---|---:|---:|---:|---:|" + ("---:|" if admit else ""),
     ]
 
     def cell(r: dict, key: str) -> str:
@@ -457,12 +467,16 @@ def split_table(d: dict) -> list[str]:
         then = one("before_")
         return one("") + (f" / {then}" if then is not None else "")
 
+    def admitting(r: dict) -> str:
+        then = r.get("before_admit_us")
+        return f" {r['admit_us']:.0f}" + (f" / {then:.0f}" if then else "") + " |"
+
     for key, r in rows.items():
         n, policy = key.split("/")
         out.append(
             f"| {int(n):,} | {policy} | {r['plan_share']:.0%} "
             f"| {cell(r, 'host_ms_quiet')} | {cell(r, 'host_ms_plan')} "
-            f"| {cell(r, 'host_mean_ms')} |"
+            f"| {cell(r, 'host_mean_ms')} |" + (admitting(r) if admit else "")
         )
     return out
 

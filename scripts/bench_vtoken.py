@@ -642,6 +642,12 @@ def scale_run(run: dict, n: int, hooked: bool = True) -> dict:
             mine = [h for h, p in zip(host, planned, strict=True) if p == want]
             split[f"host_ms_{kind}"] = 1e-6 * statistics.median(mine) if mine else 0.0
         split["plan_share"] = sum(planned) / len(planned)
+    if hooked:
+        # Admitting the batch: vToken's host time in every step until the
+        # steady ones (registration, the prompts' slots, the first decodes),
+        # a request: what arrivals cost, which the steady steps leave out.
+        admitted = [s for s in run["steps"] if s["running"] == n][1]
+        split["admit_us"] = 1e-3 * admitted["vtoken_ns"] / n
     return {
         "step_ms": statistics.median(s["step_ms"] for s in steady(run, n)),
         "host_ms": 1e-6 * statistics.median(host),
@@ -662,7 +668,7 @@ def scale_run(run: dict, n: int, hooked: bool = True) -> dict:
 def _split_median(runs: list[dict]) -> dict:
     """The runs' medians of scale_run's mean and plan/quiet split, those
     every run has."""
-    keys = ("host_mean_ms", "host_ms_plan", "host_ms_quiet", "plan_share")
+    keys = ("host_mean_ms", "host_ms_plan", "host_ms_quiet", "plan_share", "admit_us")
     return {
         k: statistics.median(r[k] for r in runs)
         for k in keys

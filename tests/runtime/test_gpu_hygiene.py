@@ -200,6 +200,31 @@ def test_the_profile_run_holds_the_token_table_through_its_forward(
     assert table.shape == (3 * 128,)
     GPUModelRunner.profile_run(runner)  # profiled again: the same buffer
     assert held[1] is table
+    # The KV cache is built next: its VTokenWorker gets that buffer (the
+    # upstream initialize_kv_cache, its steps before vToken's stubbed).
+    built = []
+
+    class Worker(gpu_model_runner.VTokenWorker):
+        def __init__(self, config, kv_caches, groups, **kw):
+            built.append(kw)
+
+    monkeypatch.setattr(gpu_model_runner, "VTokenWorker", Worker)
+    monkeypatch.setattr(gpu_model_runner, "prepare_kernel_block_sizes", lambda *a: [])
+    nothing = lambda *a: None  # noqa: E731
+    runner.__dict__.update(
+        may_add_encoder_only_layers_to_kv_cache_config=nothing,
+        maybe_add_kv_sharing_layers_to_kv_cache_groups=nothing,
+        initialize_attn_backend=nothing,
+        initialize_metadata_builders=nothing,
+        may_reinitialize_input_batch=nothing,
+        initialize_kv_cache_tensors=lambda *a: [],
+        speculative_config=None,
+        kv_caches=[],
+        attn_groups=[],
+    )
+    runner.vllm_config.vtoken_config.enabled = True
+    GPUModelRunner.initialize_kv_cache(runner, SimpleNamespace())
+    assert isinstance(runner.vtoken, Worker) and built[0]["token_table"] is table
     # On CPU the read has no table: nothing is reserved.
     runner.device, runner.vtoken_token_table = torch.device("cpu"), None
     GPUModelRunner.profile_run(runner)

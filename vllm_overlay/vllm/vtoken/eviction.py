@@ -11,7 +11,6 @@ request has its own generator (seeding.py): results do not depend on batch order
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import compress
 from typing import TYPE_CHECKING
 
@@ -28,21 +27,34 @@ from vllm.vtoken.policies.base import (
     is_builtin,
     keeps_dead_listed,
 )
-from vllm.vtoken.seeding import request_rng
+from vllm.vtoken.seeding import request_rng, request_seed
 from vllm.vtoken.token_table import TokenTablePool
 
 if TYPE_CHECKING:
     from vllm.vtoken.request_args import RequestEviction
 
 
-@dataclass(slots=True)
 class _Evicting:
-    """How one request is evicted: its policy (None: never), budget, generator."""
+    """How one request is evicted: its policy (None: never), budget, seed
+    (the batch path's, seeding.request_seed) and generator, built the first
+    time a policy reads it (a plug-in's RequestView.rng, BatchView.rngs):
+    the built-ins draw from the seed alone."""
 
-    policy: EvictionPolicy | None
-    budget: int
-    rng: np.random.Generator
-    seed: int  # drawn once from rng: the batch path's per-request seed
+    __slots__ = ("policy", "budget", "seed", "_rng_seed", "_key", "_rng")
+
+    def __init__(
+        self, policy: EvictionPolicy | None, budget: int, rng_seed: int, key: bytes
+    ) -> None:
+        self.policy, self.budget = policy, budget
+        self._rng_seed, self._key = rng_seed, key
+        self.seed = request_seed(rng_seed, key) if policy is not None else 0
+        self._rng: np.random.Generator | None = None
+
+    @property
+    def rng(self) -> np.random.Generator:
+        if self._rng is None:
+            self._rng = request_rng(self._rng_seed, self._key)
+        return self._rng
 
 
 class EvictionRuntime:
@@ -141,7 +153,7 @@ class EvictionRuntime:
         """A request's table, generator, policy and budget (see
         `sync_new_tokens` for the arguments)."""
         key = req_id.encode() if rng_key is None else rng_key
-        r = self._reqs[req_id] = self._register(evict, request_rng(self.seed, key))
+        r = self._reqs[req_id] = self._register(evict, key)
         # By the policy's class, as the worker's table (VTokenWorker._add).
         policy = type(r.policy) if r.policy is not None else None
         self.pool.add_request(req_id, keep_dead=keeps_dead_listed(policy))
@@ -361,9 +373,7 @@ class EvictionRuntime:
         if r.policy is not None:
             r.policy.release(req_id)
 
-    def _register(
-        self, evict: RequestEviction | None, rng: np.random.Generator
-    ) -> _Evicting:
+    def _register(self, evict: RequestEviction | None, key: bytes) -> _Evicting:
         if evict is None:
             name, budget = self.policy.name, self.budget
         elif evict.evicts:
@@ -371,7 +381,7 @@ class EvictionRuntime:
         else:
             name, budget = None, None
         if name is None or budget is None:
-            return _Evicting(None, 0, rng, 0)
+            return _Evicting(None, 0, self.seed, key)
         policy = self._policies.get((name, budget))
         if policy is None:
             # The engine's knobs configure the engine's policy; another policy a
@@ -379,7 +389,7 @@ class EvictionRuntime:
             knobs = self.policy.knobs if name == self.policy.name else None
             policy = create_policy(name, budget, knobs)
             self._policies[(name, budget)] = policy
-        return _Evicting(policy, budget, rng, int(rng.integers(1 << 63)))
+        return _Evicting(policy, budget, self.seed, key)
 
     def _view(
         self, req_id: str, num_attended: int, scores: np.ndarray | None

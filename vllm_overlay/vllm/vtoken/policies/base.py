@@ -61,7 +61,7 @@ class BatchView:
 
     Request r's live tokens are entries [indptr[r], indptr[r + 1]) of the token
     arrays, ascending; `seg` is each token's request. `seeds` are per-request
-    random seeds (fixed per request, from its generator), `rngs` the
+    random seeds (fixed per request: seeding.request_seed), `rngs` the
     generators themselves (what a `RequestView` carries).
     """
 

@@ -13,8 +13,8 @@ class RandomPolicy(base.EvictionPolicy):
     """Uniform random eviction among evictable tokens: the baseline.
 
     The random-eviction baseline of the H2O paper (Zhang et al. 2023, arXiv
-    2306.14048). Draws are a hash of the request's seed (drawn once from its
-    generator: runtime seed, stable hash of its key), the token and the step,
+    2306.14048). Draws are a hash of the request's seed (seeding.request_seed:
+    runtime seed, stable hash of its key), the token and the step,
     so a run is reproducible whatever the batch order. Needs no scores and has
     no knobs (the seed belongs to the runtime).
     """
