@@ -35,6 +35,9 @@ def test_a_run_counts_its_steady_steps_only():
     got = bench.scale_run(run, 3)
     assert got["step_ms"] == 8
     assert got["host_ms"] == pytest.approx(3.5)
+    # Admitting: the host time of every step before the steady ones (2 ms by
+    # the second step that runs all 3), a request.
+    assert got["admit_us"] == pytest.approx(2e3 / 3)
     assert bench.scale_run(run, 3, hooked=False)["host_ms"] == 0.0
 
 
@@ -122,6 +125,10 @@ def test_the_report_splits_quiet_and_planning_steps_when_measured():
     row |= {"before_host_ms_quiet": 1.5, "before_host_ms_plan": 3.1}
     new = "\n".join(report.scale_section(d, "img"))
     assert "| 64 | h2o | 52% | 1.40 / 1.50 | 2.90 / 3.10 | 2.20 / 2.50 |" in new
+    assert "admitting" not in new  # not measured: no column
+    row |= {"admit_us": 57.6, "before_admit_us": 77.4}
+    new = "\n".join(report.scale_section(d, "img"))
+    assert "| 2.20 / 2.50 | 58 / 77 |" in new and "a request, admitting |" in new
 
 
 def test_a_cost_never_measured_reads_as_a_dash_not_zero():
