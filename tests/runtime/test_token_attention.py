@@ -452,6 +452,21 @@ _SPLIT_KV_CHILD = """
     triton_forward(read, q, tri, three_d, D ** -0.5, split_kv=md)
     assert not md.softmax_segm_max[:3].isnan().all(), "the 3D path did not run"
     torch.testing.assert_close(three_d, two_d, atol=1e-5, rtol=1e-5)
+    # The table laid in the profile run's reserved buffer (patch 0052), whose
+    # entries past each live length hold other rows of the cache: the 3D
+    # kernel masks them as the 2D one does, to the bit.
+    from vllm.vtoken.triton_plan import reserve_token_table
+
+    buf = reserve_token_table(3, 100, "cpu").random_(1, N * 2 * B, generator=gen)
+    stale = build_triton_read_plan(qsl, indptr, slots, B, stage=stage,
+                                   table_buffer=buf)
+    assert stale.token_table.data_ptr() == buf.data_ptr()
+    md.softmax_segm_max.fill_(float("nan"))
+    again = torch.zeros_like(q)
+    triton_forward(SimpleNamespace(plan=stale, scores=None), q, tri, again,
+                   D ** -0.5, split_kv=md)
+    assert not md.softmax_segm_max[:3].isnan().all(), "the 3D path did not run"
+    torch.testing.assert_close(again, three_d, atol=0, rtol=0)
     print("SPLIT-KV-OK")
 """
 
