@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 class _Evicting:
     """How one request is evicted: its policy (None: never), budget, seed
     (the batch path's, seeding.request_seed) and generator, built the first
-    time a policy reads it (a plug-in's RequestView.rng, BatchView.rngs):
-    the built-ins draw from the seed alone."""
+    time it is asked for (a RequestView is built: a plug-in's per-request
+    path; BatchView.rngs is read): the built-ins draw from the seed alone."""
 
     __slots__ = ("policy", "budget", "seed", "_rng_seed", "_key", "_rng")
 

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 
 def request_rng(seed: int, key: bytes) -> np.random.Generator:
-    """The per-request generator: same (seed, key), same draws. Built only
-    when a policy reads it (~14 µs: NumPy's seeding), not at registration."""
+    """The per-request generator: same (seed, key), same draws. Built when a
+    policy may read it (~14 µs: NumPy's seeding), not at registration."""
     digest = np.frombuffer(hashlib.sha256(key).digest()[:16], dtype=np.uint32)
     return np.random.default_rng([int(seed), *digest.tolist()])
 
@@ -29,7 +29,7 @@ def request_seed(seed: int, key: bytes) -> int:
     """The request's 63-bit seed for the batch path's counter-based draws
     (selection.hash_uniform): same (seed, key), same seed, whatever the
     generator's state; ~1 µs, where drawing it from the generator needed
-    the generator built (~15 µs a request at registration)."""
+    the generator built (~14 µs a request at registration, and the draw)."""
     digest = hashlib.sha256(b"%d:" % int(seed) + key).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
