@@ -43,7 +43,10 @@ class RequestView:
         scores: float32 [n] aligned with `live_idx` (see `ScoreAccumulator`), or
             None when the policy needs none. Views passed to `sync_new_tokens`
             carry None: scores are read only when tokens must be chosen.
-        rng: Per-request generator seeded from (seed, stable hash of req_id).
+        rng: Per-request generator seeded from (the engine's seed, a hash of
+            the prompt): seeding.request_rng.
+        seed: The request's batch seed (seeding.request_seed), or None: one
+            is drawn from rng.
     """
 
     req_id: str
@@ -51,7 +54,7 @@ class RequestView:
     evictable: np.ndarray
     scores: np.ndarray | None
     rng: np.random.Generator
-    seed: int | None = None  # the request's batch seed (None: drawn from rng)
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
