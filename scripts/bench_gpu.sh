@@ -29,7 +29,8 @@ log() { echo "[bench_gpu $(date -u +%H:%M:%S)] $*" >&2; }
 
 # Per model: memory (native + H2O naive/vtoken), capacity (bisection per mode),
 # SLA (3 servers; 2 in the smoke) and overhead, these two for the first model
-# only (time budget), and with two GPUs TP=2 / PP=2 (parallel). Random prompts: the weights are random, so only lengths matter.
+# only (time budget), and with two GPUs TP=2 / PP=2 (parallel). Random
+# prompts: the weights are random, so only lengths matter.
 if [ "$smoke" = 1 ]; then
   "$VTOKEN_REPO/scripts/setup_env.sh" >&2
   py=$VTOKEN_PY models="tiny-llama" out=${out:-$(mktemp -d)}

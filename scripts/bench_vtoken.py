@@ -519,9 +519,14 @@ def plot_quality(data: dict, png: pathlib.Path) -> None:
             ax.legend()
 
 
+def all_running(run: dict, n: int) -> list[dict]:
+    """The steps where all n requests run."""
+    return [s for s in run["steps"] if s["running"] == n]
+
+
 def steady(run: dict, n: int) -> list[dict]:
     """The steps where all n requests run, the first two (prefill) left out."""
-    return [s for s in run["steps"] if s["running"] == n][2:]
+    return all_running(run, n)[2:]
 
 
 def per_step(run: dict, n: int, counter: str) -> list[int]:
@@ -646,8 +651,7 @@ def scale_run(run: dict, n: int, hooked: bool = True) -> dict:
         # Admitting the batch: vToken's host time in every step until the
         # steady ones (registration, the prompts' slots, the first decodes),
         # a request: what arrivals cost, which the steady steps leave out.
-        admitted = [s for s in run["steps"] if s["running"] == n][1]
-        split["admit_us"] = 1e-3 * admitted["vtoken_ns"] / n
+        split["admit_us"] = 1e-3 * all_running(run, n)[1]["vtoken_ns"] / n
     return {
         "step_ms": statistics.median(s["step_ms"] for s in steady(run, n)),
         "host_ms": 1e-6 * statistics.median(host),
