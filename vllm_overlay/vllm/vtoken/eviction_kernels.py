@@ -12,7 +12,8 @@ token once:
 
     per row   (none wanted: skipped, its list not walked; one wanted by a
               "score" rule, the fold's choice still valid: taken, not walked)
-              walk its live list      -> entries e = 0..n-1 (logical idx t_e)
+              walk its live list      -> entries e = 0..n-1 (logical idx t_e;
+                                         a list without dead read in place)
               key_e, evictable_e, protected_e
               the k lowest unprotected evictable (ties: earliest), then the
               protected evictable earliest first  (selection_kernels.lowest;
@@ -126,7 +127,9 @@ def evict_lowest(
     seen_at = np.empty(min(oldest, 4096), np.float64)
     for age in range(seen_at.size):
         seen_at[age] = _seen(age, window)
-    view = np.empty(longest, np.int64)  # the row's live tokens, in order
+    # The row's live tokens, in order: its list itself when it holds no dead
+    # (every row's but those keeping their victims listed), else a copy.
+    buf = np.empty(longest, np.int32)
     key = np.empty(longest, np.float64)
     taken = np.zeros(longest, np.bool_)
     real_at = np.empty(longest, np.int64)  # the sort's entries with a real key
@@ -154,7 +157,19 @@ def evict_lowest(
                 m += 1
                 counts[i] = 1
                 continue
-        n = listed_live(r, start, n_live, n_listed, n_slotted, listed, live, view)
+        base, n = start[r], n_listed[r]
+        if n == n_live[r]:
+            # Read in place (listed_live would copy it): StreamingLLM's
+            # victim is then found past the sinks, the rest of the list
+            # unread, and the other keys' scan reads the list once. By hand,
+            # 1,024 rows of 512 live, a victim each, caches flushed:
+            # StreamingLLM 230 -> 134 us (of 33 live: 92 -> 90).
+            while n > 0 and listed[base + n - 1] >= end:  # not slotted yet
+                n -= 1
+            view = listed[base : base + n]
+        else:
+            n = listed_live(r, start, n_live, n_listed, n_slotted, listed, live, buf)
+            view = buf[:n]
         if n == 0:
             continue
         # The view ascends, so the candidates (evictable, t < attended - 1;
