@@ -104,6 +104,24 @@ def test_random_is_uniform_over_the_evictable_tokens():
     assert np.abs(counts[:30] - draws * 6 / 30).max() < 6 * np.sqrt(draws * 0.2 * 0.8)
 
 
+def test_random_s_one_victim_is_uniform_over_the_evictable_tokens():
+    """A decode step's one victim is drawn by its position, not as the lowest
+    of the tokens' draws (RandomPolicy.evict_batch): as uniform."""
+    policy = create_policy("random", 8)
+    live = np.arange(40)
+    evictable = live < 30
+    counts = np.zeros(40)
+    draws = 6000
+    for i in range(draws):
+        got = policy.evict_token(view(live, evictable, rid=f"r{i}"), 1)
+        assert got.size == 1
+        counts[got] += 1
+    assert counts[30:].sum() == 0
+    # Each evictable token with probability 1/30: 200 of 6,000, sd ~14.
+    assert np.abs(counts[:30] - draws / 30).max() < 6 * np.sqrt(draws / 30)
+    assert (counts[:30] > 0).all()
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(st.lists(st.booleans(), min_size=1, max_size=3), min_size=1, max_size=30),

@@ -378,6 +378,18 @@ def test_add_counts_counts_each_occurrence(n):
     assert counts.dtype == np.int32
 
 
+@pytest.mark.parametrize("share", [0.0, 0.1, 1.0])
+def test_picked_keeps_what_compress_keeps(share):
+    from itertools import compress
+
+    from vllm.vtoken.arena import picked
+
+    ids = [f"r{i}" for i in range(50)]
+    mask = np.random.default_rng(7).random(50) < share
+    assert picked(ids, mask) == list(compress(ids, mask.tolist()))
+    assert picked([], np.zeros(0, bool)) == []
+
+
 def test_as_index_takes_integers_only():
     from vllm.vtoken.arena import as_index
 

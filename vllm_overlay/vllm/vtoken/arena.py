@@ -91,6 +91,14 @@ def attrs(objs: Sequence, getter) -> np.ndarray:
     return np.fromiter(map(getter, objs), np.int64, len(objs))
 
 
+def picked(items: Sequence, mask: np.ndarray) -> list:
+    """[x for x, m in zip(items, mask) if m] for a NumPy bool `mask`, by its
+    set entries: `compress(items, mask)` makes a NumPy bool of each entry (at
+    1,024 requests ~15 us warm, ~100 in a step's cold cache), and a step
+    picks few (the rows due for the planner: a sixteenth at budget 32)."""
+    return list(map(items.__getitem__, mask.nonzero()[0].tolist()))
+
+
 def values(table: dict, keys: Sequence) -> list:
     """[table[k] for k in keys], the loop in C (KeyError if absent)."""
     if len(keys) <= 1:

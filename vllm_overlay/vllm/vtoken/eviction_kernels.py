@@ -17,7 +17,8 @@ token once:
               key_e, evictable_e, protected_e
               the k lowest unprotected evictable (ties: earliest), then the
               protected evictable earliest first  (selection_kernels.lowest;
-              k = 1, the steady state: keys computed as the one scan goes)
+              k = 1, the steady state: keys computed as the one scan goes;
+              Random's one victim at a drawn position, no key computed)
               sorted ascending
     then      every row's victims killed in one loop (table_kernels.kill_rows,
               as evict_rows does; rows are distinct, so no choice reads a kill)
@@ -187,15 +188,12 @@ def evict_lowest(
                 out[m] = view[e]
                 m += 1
         elif first == 1 and key_kind == 2:
-            # Random's steady state: the hash's integer bits, compared as
-            # they are computed (no float, no NaN to order; ties: earliest).
-            nonce = view[n - 1]
-            best, low = a, _hash_bits(seeds[i], view[a], nonce)
-            for e in range(a + 1, b):
-                h = _hash_bits(seeds[i], view[e], nonce)
-                if h < low:
-                    best, low = e, h
-            out[m] = view[best]
+            # Random's steady state: one victim, drawn by its position among
+            # the candidates (RandomPolicy.evict_batch, to the bit): no
+            # token hashed.
+            c = b - a
+            u = _hash_uniform(seeds[i], c, view[n - 1])
+            out[m] = view[a + min(np.int64(u * c), c - 1)]
             m += 1
         elif first == 1:  # "score", "persistence"
             # The steady state (a token over budget): one pass, each key

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, indptr_of, segments, values
+from vllm.vtoken.arena import attrs, indptr_of, picked, segments, values
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
@@ -186,7 +186,7 @@ class VTokenScheduler:
             self._freed_at_evict = self._num_freed
         ok, which, counts, idx = self.runtime.evict_running(rids, rows, prompt, limit)
         if self._caching:
-            for rid in self._caching.intersection(compress(rids, ok)):
+            for rid in self._caching.intersection(compress(rids, ok.tolist())):
                 if pool.has_dead(rid):
                     self.reclaimer.stop_caching(rid)
                     self._caching.discard(rid)
@@ -201,7 +201,7 @@ class VTokenScheduler:
         # is due for the requests left with a block's worth of holes.
         self.reclaimer.free_empty_blocks(ids, pool.evicted_runs(counts), idx, rows)
         if self.cfg.compaction:
-            self._plan_due.update(compress(ids, pool.plan_due(rows)))
+            self._plan_due.update(picked(ids, pool.plan_due(rows)))
 
     @timed("scheduler_ns")
     def end_step(self, so: SchedulerOutput) -> VTokenStep | None:
@@ -225,7 +225,7 @@ class VTokenScheduler:
             # Still due: a block's worth of holes left (in C: filter).
             left = list(filter(self._reqs.__contains__, self._plan_due))
             due = self.pool.plan_due(self.pool.rows(left))
-            self._plan_due = set(compress(left, due))
+            self._plan_due = set(picked(left, due))
         chunks, self._step_dead = self._step_dead, []
         if not chunks and moves is None:
             return None

@@ -100,7 +100,9 @@ class LowestRule:
 
     key: "score" (the running scores), "index" (the logical index: oldest
     first), "hash" (`selection.hash_uniform` of the request's seed, the
-    token and its newest token: Random's draw) or "persistence" (minus the
+    token and its newest token: Random's draw; one victim, not the lowest
+    draw but the candidate at a drawn position: RandomPolicy.evict_batch)
+    or "persistence" (minus the
     steps in the last `window` a token was unimportant, from the running
     scores and `ages`, the requests' `ArrivalSteps.arena_of`: Scissorhands').
     """
