@@ -7,6 +7,7 @@ simulation of the eviction runtime for every policy.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -89,36 +90,23 @@ def test_streamingllm_keeps_exactly_sinks_and_recent(req, num_sinks):
         assert set(kept.tolist()) == set(live[sinks].tolist()) | set(list(newest))
 
 
-def test_random_is_uniform_over_the_evictable_tokens():
+@pytest.mark.parametrize(("k", "draws"), [(6, 4000), (1, 6000)])
+def test_random_is_uniform_over_the_evictable_tokens(k, draws):
+    """k victims: the lowest of a draw per token; one (a decode step's): a
+    draw of its position (RandomPolicy.evict_batch). Both uniform."""
     policy = create_policy("random", 8)
     live = np.arange(40)
     evictable = live < 30
     counts = np.zeros(40)
-    draws = 4000
     for i in range(draws):
-        got = policy.evict_token(view(live, evictable, rid=f"r{i}"), 6)
-        assert np.isin(got, live[evictable]).all() and np.unique(got).size == 6
+        got = policy.evict_token(view(live, evictable, rid=f"r{i}"), k)
+        assert np.isin(got, live[evictable]).all() and np.unique(got).size == k
         counts[got] += 1
     assert counts[30:].sum() == 0
-    # Each evictable token is drawn with probability 6/30: 800 of 4,000, sd ~25.
-    assert np.abs(counts[:30] - draws * 6 / 30).max() < 6 * np.sqrt(draws * 0.2 * 0.8)
-
-
-def test_random_s_one_victim_is_uniform_over_the_evictable_tokens():
-    """A decode step's one victim is drawn by its position, not as the lowest
-    of the tokens' draws (RandomPolicy.evict_batch): as uniform."""
-    policy = create_policy("random", 8)
-    live = np.arange(40)
-    evictable = live < 30
-    counts = np.zeros(40)
-    draws = 6000
-    for i in range(draws):
-        got = policy.evict_token(view(live, evictable, rid=f"r{i}"), 1)
-        assert got.size == 1
-        counts[got] += 1
-    assert counts[30:].sum() == 0
-    # Each evictable token with probability 1/30: 200 of 6,000, sd ~14.
-    assert np.abs(counts[:30] - draws / 30).max() < 6 * np.sqrt(draws / 30)
+    # Each evictable token is drawn with probability p = k/30: at k = 6, 800
+    # of 4,000 (sd ~25); at k = 1, 200 of 6,000 (sd ~14).
+    p = k / 30
+    assert np.abs(counts[:30] - draws * p).max() < 6 * np.sqrt(draws * p * (1 - p))
     assert (counts[:30] > 0).all()
 
 
