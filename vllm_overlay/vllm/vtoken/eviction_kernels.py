@@ -23,7 +23,7 @@ token once:
     then      every row's victims killed in one loop (table_kernels.kill_rows,
               as evict_rows does; rows are distinct, so no choice reads a kill)
 
-It chooses exactly what `evict_batch` + `selection_kernels.lowest` choose
+It chooses exactly what the policies' `evict_batch` choose
 (tests/runtime/test_eviction_kernels.py; `VTOKEN_CHECK_INTEGRITY=1` compares
 the two every step). Imported only with vToken on; compiled at import, as
 table_kernels.py is.
@@ -35,7 +35,7 @@ import numba
 import numpy as np
 
 from vllm.vtoken.policies.selection_kernels import _FEW, _before
-from vllm.vtoken.table_kernels import kill_rows, listed_live
+from vllm.vtoken.table_kernels import kill_rows, listed_live, slotted_len
 
 _i64, _i32, _u64, _f32, _f64, _b1 = (
     numba.int64[::1],
@@ -129,7 +129,7 @@ def evict_lowest(
     for age in range(seen_at.size):
         seen_at[age] = _seen(age, window)
     # The row's live tokens, in order: its list itself when it holds no dead
-    # (every row's but those keeping their victims listed), else a copy.
+    # (n_listed == n_live), else a copy.
     buf = np.empty(longest, np.int32)
     key = np.empty(longest, np.float64)
     taken = np.zeros(longest, np.bool_)
@@ -160,13 +160,12 @@ def evict_lowest(
                 continue
         base, n = start[r], n_listed[r]
         if n == n_live[r]:
-            # Read in place (listed_live would copy it): StreamingLLM's
-            # victim is then found past the sinks, the rest of the list
-            # unread, and the other keys' scan reads the list once. By hand,
-            # 1,024 rows of 512 live, a victim each, caches flushed:
-            # StreamingLLM 230 -> 134 us (of 33 live: 92 -> 90).
-            while n > 0 and listed[base + n - 1] >= end:  # not slotted yet
-                n -= 1
+            # No dead listed (every Random row: its victims leave the list
+            # at once; the others' until their first kill): read in place,
+            # not copied as listed_live does. Random's one victim then reads
+            # two entries of the list (the step path's usual row), the index
+            # rule the sinks and the first candidate.
+            n = slotted_len(listed, base, n, end)
             view = listed[base : base + n]
         else:
             n = listed_live(r, start, n_live, n_listed, n_slotted, listed, live, buf)

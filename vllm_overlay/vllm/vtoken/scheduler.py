@@ -186,6 +186,8 @@ class VTokenScheduler:
             self._freed_at_evict = self._num_freed
         ok, which, counts, idx = self.runtime.evict_running(rids, rows, prompt, limit)
         if self._caching:
+            # `ok` is mostly True: compress over its list (arena.picked is
+            # for masks with few set).
             for rid in self._caching.intersection(compress(rids, ok.tolist())):
                 if pool.has_dead(rid):
                     self.reclaimer.stop_caching(rid)

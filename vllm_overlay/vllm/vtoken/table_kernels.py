@@ -29,6 +29,18 @@ _jit = {"cache": True, "nogil": True}
 
 
 @numba.njit(inline="always")
+def slotted_len(listed, base, n, end):
+    """How many of a list's first n entries (from `base`; ascending, no
+    dead) are slotted: all but those at or past `end` (a resumed request's
+    end is not slotted yet). Shared by listed_live and
+    eviction_kernels.evict_lowest (whose numba cache does not see edits here:
+    DEVELOPING.md)."""
+    while n > 0 and listed[base + n - 1] >= end:
+        n -= 1
+    return n
+
+
+@numba.njit(inline="always")
 def listed_live(r, start, n_live, n_listed, n_slotted, listed, live, out):
     """Writes row r's live slotted tokens, ascending, to `out`; returns how
     many. A list without dead (every row's but those keeping their victims
@@ -39,9 +51,7 @@ def listed_live(r, start, n_live, n_listed, n_slotted, listed, live, out):
     base, end, n = start[r], n_slotted[r], n_listed[r]
     lst = listed[base : base + n]
     if n == n_live[r]:
-        k = n
-        while k > 0 and lst[k - 1] >= end:
-            k -= 1
+        k = slotted_len(listed, base, n, end)
         for j in range(k):
             out[j] = lst[j]
         return k

@@ -17,8 +17,9 @@ class RandomPolicy(base.EvictionPolicy):
     runtime seed, stable hash of its key), the token and the step,
     so a run is reproducible whatever the batch order: the lowest draws go,
     except where one victim goes (a decode step's), drawn by its position
-    among the evictable tokens, so that no token is hashed. Needs no scores
-    and has no knobs (the seed belongs to the runtime).
+    among the evictable tokens, so that the one-pass eviction
+    (eviction_kernels.evict_lowest) hashes no token. Needs no scores and has
+    no knobs (the seed belongs to the runtime).
     """
 
     name = "random"
@@ -39,7 +40,8 @@ class RandomPolicy(base.EvictionPolicy):
         # One victim (a decode step's): as uniform a choice, one draw of its
         # position among the request's evictable tokens, keyed by their
         # number. The one-pass eviction then hashes no token (a hash each
-        # was O(budget) a request a step: ~1.4 ms at 1,024 requests of 512).
+        # was O(budget) a request a step: at 1,024 requests of 512 live,
+        # 1.65 -> 0.52 ms by hand, caches flushed).
         num_ev = np.bincount(batch.seg[batch.evictable], minlength=counts.size)
         one = (np.minimum(np.asarray(num_evict).reshape(-1), num_ev) == 1).nonzero()[0]
         if one.size:
