@@ -169,8 +169,7 @@ def test_a_list_without_dead_is_read_in_place_up_to_its_slotted_end(
     once) is read where it lies, so its tail not slotted again after a
     preemption must be cut off as listed_live's copy does: counted, the
     draws' nonce (the newest token) would be one not slotted (5 victims:
-    other draws, other victims; one: another position, here by chance the
-    same)."""
+    other draws, other victims; one: another position)."""
     monkeypatch.setattr(integrity, "CHECK", False)
     out = []
     policy = create_policy("random", budget, {})
@@ -178,8 +177,8 @@ def test_a_list_without_dead_is_read_in_place_up_to_its_slotted_end(
         rt, pool, _ = runtime(pol, 64)
         rt.sync_new_tokens("r", np.arange(20))
         pool.reset_slots("r")  # preempted: 20 live, listed, none slotted
-        rt.sync_new_tokens("r", np.arange(20, 32))  # re-slotted 12 of them
-        which, counts, idx = rt.enforce_budgets(["r"], np.array([12]))
+        rt.sync_new_tokens("r", np.arange(20, 33))  # re-slotted 13 of them
+        which, counts, idx = rt.enforce_budgets(["r"], np.array([13]))
         out.append((counts.tolist(), idx.tolist()))
     assert out[0] == out[1]
     assert out[0][0] == [20 - budget]

@@ -161,10 +161,10 @@ def evict_lowest(
         base, n = start[r], n_listed[r]
         if n == n_live[r]:
             # No dead listed (every Random row: its victims leave the list
-            # at once; the others' until their first kill): read in place,
-            # not copied as listed_live does. Random's one victim then reads
-            # two entries of the list (the step path's usual row), the index
-            # rule the sinks and the first candidate.
+            # at once; the others' before their first victim and just after
+            # their list is rewritten): read in place, not copied as
+            # listed_live does. Random's one victim then reads the list's
+            # last entries and the one drawn.
             n = slotted_len(listed, base, n, end)
             view = listed[base : base + n]
         else:

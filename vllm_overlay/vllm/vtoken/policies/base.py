@@ -102,9 +102,9 @@ class LowestRule:
     first), "hash" (`selection.hash_uniform` of the request's seed, the
     token and its newest token: Random's draw; one victim, not the lowest
     draw but the candidate at a drawn position: RandomPolicy.evict_batch)
-    or "persistence" (minus the
-    steps in the last `window` a token was unimportant, from the running
-    scores and `ages`, the requests' `ArrivalSteps.arena_of`: Scissorhands').
+    or "persistence" (minus the steps in the last `window` a token was
+    unimportant, from the running scores and `ages`, the requests'
+    `ArrivalSteps.arena_of`: Scissorhands').
     """
 
     key: str

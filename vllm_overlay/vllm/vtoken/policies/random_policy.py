@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm.vtoken.arena import indptr_of
 from vllm.vtoken.policies import base, selection
 
 
@@ -48,8 +49,6 @@ class RandomPolicy(base.EvictionPolicy):
             m = num_ev[one]
             u = selection.hash_uniform(batch.seeds[one], m, newest[one])
             pos = np.minimum((u * m).astype(np.int64), m - 1)
-            first_ev = (np.cumsum(num_ev) - num_ev)[one]
-            idx[(np.cumsum(counts) - counts)[one]] = batch.live_idx[batch.evictable][
-                first_ev + pos
-            ]
+            ev_idx = batch.live_idx[batch.evictable]
+            idx[indptr_of(counts)[one]] = ev_idx[indptr_of(num_ev)[one] + pos]
         return counts, idx
