@@ -184,6 +184,36 @@ def test_a_list_without_dead_is_read_in_place_up_to_its_slotted_end(
     assert out[0][0] == [20 - budget]
 
 
+def test_the_index_rule_reads_a_list_keeping_dead_off_its_two_ends():
+    """StreamingLLM's steady state (eviction_kernels._oldest_candidates):
+    the k oldest candidates past the live sinks, the counts off the tail
+    (the unslotted and the protected newest), or none where the
+    candidates are fewer than k (the caller walks the list)."""
+    from vllm.vtoken.eviction_kernels import _oldest_candidates
+
+    # Logical tokens 0..11 listed; 1 (a sink), 2, 3, 5 dead; slotted below
+    # 11 (end), attended 10 (last 9): 9 and 10 protected, 11 unslotted.
+    listed = np.arange(12, dtype=np.int32)
+    live = np.ones(12, bool)
+    live[[1, 2, 3, 5]] = False
+    out = np.full(8, -1, np.int64)
+
+    def take(k, sinks=2, recent=2, m=3):
+        got = _oldest_candidates(
+            listed, live, 0, 12, 8, 11, 9, sinks, recent, k, out, m
+        )
+        return out[m:got].tolist()
+
+    # live slotted 0 4 6 7 8 9 10: candidates past the sink 0 and before the
+    # window (9, 10) are 4 6 7 8
+    assert take(1) == [4] and take(3) == [4, 6, 7] and take(4) == [4, 6, 7, 8]
+    assert take(5) == []  # fewer than 5: declined
+    assert take(2, recent=4) == [4, 6] and take(3, recent=4) == []
+    assert take(3, sinks=5) == [6, 7, 8] and take(4, sinks=5) == []
+    out[:] = -1  # written at out[m:m + k] only
+    assert take(2, m=5) == [4, 6] and out.tolist() == [-1] * 5 + [4, 6, -1]
+
+
 def test_a_request_over_by_many_takes_the_sorted_path():
     # More than a few victims: the stable sort, not the scans, ties by age.
     policy = create_policy("h2o", 2, {"recent_ratio": 0.0})

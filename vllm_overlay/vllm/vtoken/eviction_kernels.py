@@ -18,7 +18,9 @@ token once:
               the k lowest unprotected evictable (ties: earliest), then the
               protected evictable earliest first  (selection_kernels.lowest;
               k = 1, the steady state: keys computed as the one scan goes;
-              Random's one victim at a drawn position, no key computed)
+              Random's one victim at a drawn position, no key computed;
+              the logical index on a list keeping dead: its first live
+              entries past the sinks, the list not walked)
               sorted ascending
     then      every row's victims killed in one loop (table_kernels.kill_rows,
               as evict_rows does; rows are distinct, so no choice reads a kill)
@@ -90,6 +92,52 @@ def _unimportance(score, age, window, seen_at):
     return -(np.float64(min(age, window)) * (1.0 - rate))
 
 
+@numba.njit(inline="always")
+def _oldest_candidates(
+    listed, live, base, n, n_live, end, last, sinks, recent, k, out, m
+):  # fmt: skip
+    """The index rule's k victims of a list keeping dead entries: its k
+    oldest candidates, written to out[m:m + k] (ascending); returns m + k,
+    or m where it has fewer candidates than k (the caller walks the list).
+    What the walk finds from the copy of the live slotted tokens, read off
+    the list's two ends instead, each entry's bit tested:
+
+        listed  [ sinks | dead and victims ... | candidates | window | t >= last ]
+                  head: a live sinks, then     tail: live t >= end (unslotted)
+                  the first k live past them   and last <= t < end (protected)
+
+    The tail is the newest token in a decode step, the head the sinks and
+    the dead run that the earlier victims left (kill_rows compacts it once
+    as long as the live): reads only, against the copy's read and write of
+    every entry."""
+    lst, alive = listed[base : base + n], live[base:]
+    j, unslotted, protected = n - 1, 0, 0
+    while j >= 0 and lst[j] >= min(last, end):
+        t = lst[j]
+        if alive[t]:
+            if t >= end:
+                unslotted += 1
+            else:
+                protected += 1
+        j -= 1
+    count = n_live - unslotted  # the walk's n: live and slotted
+    b = min(count - recent, count - protected)
+    e, a = 0, 0
+    while e < n and lst[e] < sinks:  # (a sink past `end`: count <= a, none)
+        a += alive[lst[e]]
+        e += 1
+    if b - a < k:
+        return m
+    got = m
+    while got < m + k:
+        t = lst[e]
+        if alive[t]:
+            out[got] = t
+            got += 1
+        e += 1
+    return got
+
+
 @numba.njit(
     numba.types.UniTuple(_i64, 2)(
         # the batch and the rule
@@ -159,6 +207,18 @@ def evict_lowest(
                 counts[i] = 1
                 continue
         base, n = start[r], n_listed[r]
+        if key_kind == 1 and n != n_live[r]:
+            # StreamingLLM's steady state: its victims stay listed, so the
+            # list holds dead; its k oldest candidates are read off the
+            # list's head, its counts off the tail, nothing copied.
+            got = _oldest_candidates(
+                listed, live, base, n, n_live[r], end, attended[i] - 1,
+                sinks, recent, k, out, m,
+            )  # fmt: skip
+            if got > m:
+                counts[i] = got - m
+                m = got
+                continue
         if n == n_live[r]:
             # No dead listed (every Random row: its victims leave the list
             # at once; the others' before their first victim and just after
