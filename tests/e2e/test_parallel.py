@@ -140,24 +140,39 @@ def test_h2o_scores_are_reduced_over_every_rank(sum_runs, config):
     check_same_scores(sum_runs["tp1-vtoken"][0], sum_runs[f"{config}-vtoken"][0])
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_llama):
+    """policy -> its run on one rank, made once (SnapKV's serves two tests)."""
+    runs: dict[str, dict] = {}
+
+    def get(policy: str) -> dict:
+        if policy not in runs:
+            runs[policy] = run(tiny_llama, policy, "vtoken")[0]
+        return runs[policy]
+
+    return get
+
+
 @pytest.mark.parametrize("policy", ["scissorhands", "snapkv"])
-def test_score_policies_of_their_own_at_tp2(tiny_llama, policy):
+def test_score_policies_of_their_own_at_tp2(tiny_llama, one_rank, policy):
     """Persistence and window scores: the same tokens die, with the same
     scores, as on one rank (vtoken == naive at TP=2 does not depend on the
     policy: the sum-score waves check it)."""
-    one = run(tiny_llama, policy, "vtoken")[0]
+    one = one_rank(policy)
     vtoken = run(tiny_llama, policy, "vtoken", tp=2)[0]
     assert any(vtoken["dead"].values()) and vtoken["free_end"] == vtoken["free_start"]
     assert vtoken["dead"] == one["dead"]
     check_same_scores(one, vtoken)
 
 
-def test_snapkv_chunked_prefill_at_pp2_scores_as_one_chunk_on_one_rank(tiny_llama):
+def test_snapkv_chunked_prefill_at_pp2_scores_as_one_chunk_on_one_rank(
+    tiny_llama, one_rank
+):
     """Chunks of 32 at PP=2: each stage counts the same rows of each chunk (the
     prompt's last window), though a non-last stage's input batch knows only
     the chunk's end, so the same tokens die as with the whole prompt in one
     step on one rank."""
-    one = run(tiny_llama, "snapkv", "vtoken")[0]
+    one = one_rank("snapkv")
     chunked = run(
         tiny_llama, "snapkv", "vtoken", pp=2, max_num_batched_tokens=32, max_num_seqs=4
     )[0]
