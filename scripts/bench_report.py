@@ -513,6 +513,32 @@ def hooks_table(d: dict) -> list[str]:
     return out
 
 
+def eviction_section(d: dict, img: str) -> list[str]:
+    out = table_head(
+        f"The scheduler's one-pass eviction, old and new: {d['requests']:,} "
+        f"requests, budget {d['budget']}",
+        f"`{d['command']}` ({d['date']}). {d['requests']:,} random prompts of "
+        f"{d['prompt_len']} tokens on a dummy-weight two-layer Llama, "
+        f"{d['gen_len']} generated, budget {d['budget']}: every request evicts "
+        "from its first decode on. One engine per policy, this overlay's "
+        "`eviction_kernels.evict_lowest` and the baseline overlay's taking "
+        "turns step by step (both see the same tables, scores and machine); "
+        "µs a call (the scheduler's begin_step makes one) over the calls that "
+        "evict every request. Baseline: "
+        f"`{d['baseline']}`.",
+        {"policy": "l", "calls each": "r", "median µs": "r", "baseline µs": "r"}
+        | {"now / baseline": "r", "mean µs, now / baseline": "r"},
+    )
+    for policy, r in d["rows"].items():
+        this, base = r["this"], r["baseline"]
+        out.append(
+            f"| {policy} | {this['calls']} | {this['median_us']:.0f} "
+            f"| {base['median_us']:.0f} | {r['ratio']:.2f} "
+            f"| {this['mean_us']:.0f} / {base['mean_us']:.0f} |"
+        )
+    return out + [""]
+
+
 def history_section(d: dict, img: str) -> list[str]:
     out = table_head(
         "Per-step cost as the history grows",
@@ -631,6 +657,7 @@ SECTIONS = [
     ("prefix", prefix_section),
     ("quality", quality_section),
     ("scale", scale_section),
+    ("eviction*", eviction_section),
     ("history", history_section),
     ("arrivals", arrivals_section),
     ("parallel", parallel_section),

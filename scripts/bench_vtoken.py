@@ -792,6 +792,57 @@ def cmd_scale(args) -> dict:
     }
 
 
+def cmd_eviction(args) -> dict:
+    """The scheduler's one-pass eviction (eviction_kernels.evict_lowest, the
+    call in its begin_step) of this overlay against --baseline's, in one
+    engine per policy, the two kernels taking turns step by step (the
+    driver's "alternate_eviction"): both see the same tables, scores and
+    machine. --requests prompts of --prompt-len random tokens (a dummy-weight
+    --model), --gen-len generated, --budget: every request evicts from its
+    first decode on. Median and mean µs a call over the calls that evict
+    every request, per kernel; a scale run's hook times are too noisy on a
+    2-core VM to resolve one kernel's change."""
+    if not args.baseline:
+        raise SystemExit("eviction: --baseline (the overlay to compare with) is needed")
+    path = args.baseline / "vllm/vtoken/eviction_kernels.py"
+    if not path.is_file():
+        raise SystemExit(f"eviction: no {path} (a site folder with an overlay)")
+    n, total = args.requests, args.prompt_len + args.gen_len
+    eng = engine_args(
+        args,
+        load_format="dummy",
+        max_num_seqs=n,
+        max_num_batched_tokens=max(8192, n),
+        num_gpu_blocks_override=-(-n * total // 16) + 2 * n,
+        max_model_len=total,
+    )
+    spec = {**workload(args, n, 0), "light": True, "alternate_eviction": str(path)}
+    rows = {}
+    for policy in args.policies:
+        extra = policy_args(policy, args.budget, "vtoken")
+        run = run_driver({"engine": {**eng, **extra}, **spec})
+        row = {}
+        for which in ("this", "baseline"):
+            ns = [c[2] for c in run["eviction_calls"] if c[:2] == [which, n]]
+            if not ns:
+                raise RuntimeError(f"eviction {policy}: no call evicted every request")
+            row[which] = {
+                "calls": len(ns),
+                "median_us": statistics.median(ns) / 1e3,
+                "mean_us": statistics.mean(ns) / 1e3,
+            }
+        row["ratio"] = row["this"]["median_us"] / row["baseline"]["median_us"]
+        rows[policy] = row
+        print(f"eviction {policy:13s} {row}")
+    manifest = args.baseline / ".vtoken/manifest"  # apply.sh's: "hash <series>"
+    series = manifest.read_text().split()[1] if manifest.is_file() else "?"
+    return {
+        "rows": rows,
+        "baseline": f"{args.baseline} (series {series})",
+        **pick(args, "requests", "prompt_len", "gen_len", "budget"),
+    }
+
+
 def plot_scale(data: dict, png: pathlib.Path) -> None:
     rows, batches = data["rows"], data["batches"]
     policies = sorted({k.split("/")[1] for k in rows} - {"none"})
@@ -853,6 +904,7 @@ EXPERIMENTS = {  # name: (run, plot or None)
     "history": (cmd_history, None),
     "arrivals": (cmd_arrivals, None),
     "parallel": (cmd_parallel, None),
+    "eviction": (cmd_eviction, None),
 }
 
 
@@ -890,7 +942,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--baseline",
         type=pathlib.Path,
         help="memory, scale, history, arrivals: also time this site folder's overlay "
-        "(an older series applied to a copy of vLLM; docs/DEVELOPING.md)",
+        "(an older series applied to a copy of vLLM; docs/DEVELOPING.md); "
+        "eviction: its eviction kernel against this overlay's, in one engine",
     )
     return p.parse_args(argv)
 

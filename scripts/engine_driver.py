@@ -33,6 +33,10 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
   time_hooks  time each of vToken's step hooks (steps record "hook_ns", each
               hook's running total): where the host time goes
   light       record no per-request block state per step (large batches)
+  alternate_eviction  path of another overlay's eviction_kernels.py: its
+              one-pass eviction and this overlay's take turns step by step;
+              "eviction_calls" lists [which ("this" or "baseline"), rows, ns]
+              for every call (TokenTablePool.evict_lowest)
   force       per request, token ids to emit (teacher forcing, ForceTokens); the
               run then records "logprobs": the model's own for each forced token
   search      {"lo": a, "hi": b, "wave": W}: instead, bisect on one engine for
@@ -312,6 +316,48 @@ def _wrap_hooks(wrap) -> None:
         for name in names:
             fn = getattr(cls, name)
             setattr(cls, name, functools.wraps(fn)(wrap(cls, name, fn)))
+
+
+# The scheduler's one-pass eviction calls: [which, rows, ns] (the spec's
+# "alternate_eviction").
+EVICTION_CALLS: list[list] = []
+
+
+def alternate_eviction(path: str):
+    """Loads another overlay's eviction_kernels.py (`path`) beside this one's
+    and times every TokenTablePool.evict_lowest (EVICTION_CALLS); returns a
+    function turn(step) that picks the kernel step `step` runs (even: this
+    overlay's, odd: the other's). Both kernels see the same tables and
+    scores: one engine, the version swapped between steps, so a drift of the
+    machine falls on both alike. The other kernel must take this overlay's
+    arguments (its signature is checked on its first call by numba)."""
+    import importlib.util
+
+    import vllm.config  # noqa: F401 (first: the overlay's modules import it)
+    import vllm.vtoken.token_table as tt
+    from vllm.vtoken import eviction_kernels
+
+    spec = importlib.util.spec_from_file_location("baseline_eviction_kernels", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other
+    spec.loader.exec_module(other)
+    kernels, which = {"this": eviction_kernels, "baseline": other}, ["this"]
+    tt._eviction_kernels = lambda: kernels[which[0]]
+    evict = tt.TokenTablePool.evict_lowest
+
+    def timed(self, rows, *args, **kwargs):
+        t = time.perf_counter_ns()
+        try:
+            return evict(self, rows, *args, **kwargs)
+        finally:
+            EVICTION_CALLS.append([which[0], len(rows), time.perf_counter_ns() - t])
+
+    tt.TokenTablePool.evict_lowest = timed
+
+    def turn(step: int) -> None:
+        which[0] = ("this", "baseline")[step % 2]
+
+    return turn
 
 
 def time_hooks() -> None:
@@ -647,6 +693,15 @@ def run_steps(spec: dict) -> dict:
     if spec.get("time_hooks"):
         time_hooks()
     driver = Driver({**spec.get("engine", {}), **processors})
+    if path := spec.get("alternate_eviction"):
+        turn, step, steps = alternate_eviction(path), driver.engine.step, [0]
+
+        def alternating():
+            turn(steps[0])
+            steps[0] += 1
+            return step()
+
+        driver.engine.step = alternating
     if "search" in spec:
         result = driver.search(**spec["search"])
     elif "waves" in spec:  # one engine, workloads in turn
@@ -657,6 +712,8 @@ def run_steps(spec: dict) -> dict:
         result = driver.run(spec, "w0-", bool(spec.get("histogram")), calls)
         if calls:
             result.update(python_calls=calls["call"], c_calls=calls["c_call"])
+    if EVICTION_CALLS:
+        result["eviction_calls"] = EVICTION_CALLS
     vt = getattr(driver.sched, "vtoken", None)
     result.update(
         block_size=driver.sched.block_size,

@@ -119,3 +119,42 @@ def test_only_a_folder_holding_vllm_is_a_tree_to_load_it_from(tmp_path, monkeypa
     engine_driver.run_driver({}, env={"PYTHONPATH": str(site)})
     engine_driver.run_driver({})
     assert calls == [None, str(site), None]
+
+
+def test_the_eviction_kernels_take_turns_and_every_call_is_timed(monkeypatch):
+    # bench_vtoken.py eviction: another overlay's kernel (here this one's file,
+    # loaded a second time under its own name) runs the odd steps.
+    import sys
+
+    import vllm.vtoken.token_table as tt
+    from vllm.vtoken import eviction_kernels
+    from vllm.vtoken.eviction import EvictionRuntime
+    from vllm.vtoken.policies import create_policy
+
+    monkeypatch.setattr(tt, "_eviction_kernels", tt._eviction_kernels)
+    monkeypatch.setattr(
+        tt.TokenTablePool, "evict_lowest", tt.TokenTablePool.evict_lowest
+    )
+    monkeypatch.setattr(engine_driver, "EVICTION_CALLS", [])
+    turn = engine_driver.alternate_eviction(eviction_kernels.__file__)
+    other = sys.modules["baseline_eviction_kernels"]
+    monkeypatch.setitem(sys.modules, "baseline_eviction_kernels", other)  # undone
+    assert other is not eviction_kernels
+    policy = create_policy("streamingllm", 4, {"num_sinks": 1})
+    rt = EvictionRuntime(TokenTablePool(64, B), policy, 4, seed=0)
+    rids, top = ["a", "b", "c"], 0
+    for rid in rids:
+        rt.sync_new_tokens(rid, np.arange(top, top + 16))
+        top += 16
+    for step in range(4):
+        turn(step)
+        assert tt._eviction_kernels() is (eviction_kernels, other)[step % 2]
+        attended = np.array([rt.pool.num_slotted(r) for r in rids])
+        _, counts, _ = rt.enforce_budgets(rids, attended)
+        assert counts.tolist() == [12 if step == 0 else 1] * 3
+        for rid in rids:
+            rt.sync_new_tokens(rid, np.array([top]))
+            top += 1
+    calls = engine_driver.EVICTION_CALLS
+    assert [c[:2] for c in calls] == [["this", 3], ["baseline", 3]] * 2
+    assert all(c[2] > 0 for c in calls)
