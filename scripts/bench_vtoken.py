@@ -549,14 +549,12 @@ def versions(args) -> dict:
     return out
 
 
-def cmd_history(args) -> dict:
-    """vToken's host time per step as each request's history outgrows its
-    budget: a step walks the requests' live tokens (the live lists), so the
-    time stays flat while the dead tokens pile up. Dummy weights (--model),
-    --requests at once; host time in each quarter of the decode, medians over
-    --repeats runs, each version's runs taking turns."""
-    n, total = args.requests, args.prompt_len + args.gen_len
-    eng = engine_args(
+def all_at_once(args, n: int) -> dict:
+    """Engine arguments for `n` requests of --prompt-len + --gen-len tokens on
+    dummy weights (--model), all running from the first step: a batch and a
+    KV pool with room for every one (no preemption)."""
+    total = args.prompt_len + args.gen_len
+    return engine_args(
         args,
         load_format="dummy",
         max_num_seqs=n,
@@ -564,6 +562,16 @@ def cmd_history(args) -> dict:
         num_gpu_blocks_override=-(-n * total // 16) + 2 * n,
         max_model_len=total,
     )
+
+
+def cmd_history(args) -> dict:
+    """vToken's host time per step as each request's history outgrows its
+    budget: a step walks the requests' live tokens (the live lists), so the
+    time stays flat while the dead tokens pile up. Dummy weights (--model),
+    --requests at once; host time in each quarter of the decode, medians over
+    --repeats runs, each version's runs taking turns."""
+    n = args.requests
+    eng = all_at_once(args, n)
     src = {"n": n, "min_tokens": args.prompt_len, "max_tokens": args.prompt_len}
     spec = {"random": src, "max_tokens": args.gen_len, "light": True}
     quarters: dict[str, list] = {}
@@ -740,15 +748,7 @@ def cmd_scale(args) -> dict:
     the mean over all, say what compaction's events cost (scale_run)."""
     out = {}
     for n in args.batches:
-        tokens = n * (args.prompt_len + args.gen_len)
-        eng = engine_args(
-            args,
-            load_format="dummy",
-            max_num_seqs=n,
-            max_num_batched_tokens=max(8192, n),
-            num_gpu_blocks_override=-(-tokens // 16) + 2 * n,
-            max_model_len=args.prompt_len + args.gen_len,
-        )
+        eng = all_at_once(args, n)
         src = {"n": n, "min_tokens": 0, "max_tokens": args.prompt_len}
         spec = {"random": src, "max_tokens": args.gen_len, "light": True}
         short = {**spec, "max_tokens": 16, "count_hook_calls": True}
@@ -807,15 +807,8 @@ def cmd_eviction(args) -> dict:
     path = args.baseline / "vllm/vtoken/eviction_kernels.py"
     if not path.is_file():
         raise SystemExit(f"eviction: no {path} (a site folder with an overlay)")
-    n, total = args.requests, args.prompt_len + args.gen_len
-    eng = engine_args(
-        args,
-        load_format="dummy",
-        max_num_seqs=n,
-        max_num_batched_tokens=max(8192, n),
-        num_gpu_blocks_override=-(-n * total // 16) + 2 * n,
-        max_model_len=total,
-    )
+    n = args.requests
+    eng = all_at_once(args, n)
     spec = {**workload(args, n, 0), "light": True, "alternate_eviction": str(path)}
     rows = {}
     for policy in args.policies:
