@@ -1,7 +1,8 @@
 """The scale benchmark's arithmetic (scripts/bench_vtoken.py scale_run and
 scale_row) on hand-made driver results: which steps count, medians over the
-runs, the planner's time per plan, and the refusal of runs that disagree.
-The engine runs themselves are the e2e tests' and the benchmark's."""
+runs, the planner's time per plan, and the refusal of runs that disagree;
+and the eviction benchmark's (cmd_eviction). The engine runs themselves are
+the e2e tests' and the benchmark's."""
 
 from __future__ import annotations
 
@@ -184,3 +185,44 @@ def test_runs_take_turns_forward_then_backward():
         *((1, *x) for x in forward[::-1]),
         *((2, *x) for x in forward),
     ]
+
+
+def test_the_eviction_benchmark_takes_only_the_calls_that_evict_every_request(
+    tmp_path, monkeypatch
+):
+    # bench_vtoken.py eviction on a hand-made driver result: calls on fewer
+    # rows (the first decodes, the last requests) are left out; per kernel
+    # the median and mean of the rest, and now / baseline of the medians.
+    base = tmp_path / "site"
+    (base / "vllm/vtoken").mkdir(parents=True)
+    (base / "vllm/vtoken/eviction_kernels.py").write_text("")
+    (base / ".vtoken").mkdir()
+    (base / ".vtoken/manifest").write_text("hash abc123\nversion 0.18.0\n")
+    calls = [["this", 2, 9_000], ["baseline", 4, 1_000], ["this", 4, 3_000]]
+    calls += [["baseline", 4, 5_000], ["this", 4, 1_000], ["baseline", 4, 9_000]]
+    specs = []
+
+    def run_driver(spec, **kwargs):
+        specs.append(spec)
+        return {"eviction_calls": calls}
+
+    monkeypatch.setattr(bench, "run_driver", run_driver)
+    args = bench.parse_args(
+        ["eviction", "--requests", "4", "--prompt-len", "8", "--gen-len", "8"]
+        + ["--budget", "4", "--policies", "streamingllm", "--baseline", str(base)]
+    )
+    out = bench.cmd_eviction(args)
+    row = out["rows"]["streamingllm"]
+    assert row["this"] == {"calls": 2, "median_us": 2.0, "mean_us": 2.0}
+    assert row["baseline"] == {"calls": 3, "median_us": 5.0, "mean_us": 5.0}
+    assert row["ratio"] == pytest.approx(0.4)
+    assert out["baseline"].endswith("(series abc123)")
+    assert specs[0]["alternate_eviction"] == str(
+        base / "vllm/vtoken/eviction_kernels.py"
+    )
+    assert specs[0]["engine"]["num_gpu_blocks_override"] == 4 + 2 * 4  # room for all
+    calls[:] = [["this", 2, 1], ["baseline", 2, 1]]  # none evicted every request
+    with pytest.raises(RuntimeError, match="no call evicted every request"):
+        bench.cmd_eviction(args)
+    with pytest.raises(SystemExit, match="--baseline"):
+        bench.cmd_eviction(bench.parse_args(["eviction"]))
