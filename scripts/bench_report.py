@@ -523,7 +523,8 @@ def eviction_section(d: dict, img: str) -> list[str]:
         "from its first decode on. One engine per policy, this overlay's "
         "`eviction_kernels.evict_lowest` and the baseline overlay's taking "
         "turns step by step (both see the same tables, scores and machine); "
-        "µs a call (the scheduler's begin_step makes one) over the calls that "
+        "µs a call of `TokenTablePool.evict_lowest` (the kernel and its Python "
+        "wrapper; the scheduler's begin_step makes one) over the calls that "
         "evict every request. Baseline: "
         f"`{d['baseline']}`.",
         {"policy": "l", "calls each": "r", "median µs": "r", "baseline µs": "r"}

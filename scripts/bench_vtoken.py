@@ -551,8 +551,9 @@ def versions(args) -> dict:
 
 def all_at_once(args, n: int) -> dict:
     """Engine arguments for `n` requests of --prompt-len + --gen-len tokens on
-    dummy weights (--model), all running from the first step: a batch and a
-    KV pool with room for every one (no preemption)."""
+    dummy weights (--model), admitted at once: a batch and a KV pool with
+    room for every one (no preemption; the prompts' prefill may take a few
+    steps)."""
     total = args.prompt_len + args.gen_len
     return engine_args(
         args,
@@ -809,7 +810,8 @@ def cmd_eviction(args) -> dict:
         raise SystemExit(f"eviction: no {path} (a site folder with an overlay)")
     n = args.requests
     eng = all_at_once(args, n)
-    spec = {**workload(args, n, 0), "light": True, "alternate_eviction": str(path)}
+    spec = {**workload(args, n, args.prompt_len), "light": True}
+    spec["alternate_eviction"] = str(path)
     rows = {}
     for policy in args.policies:
         extra = policy_args(policy, args.budget, "vtoken")

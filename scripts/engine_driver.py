@@ -330,7 +330,11 @@ def alternate_eviction(path: str):
     overlay's, odd: the other's). Both kernels see the same tables and
     scores: one engine, the version swapped between steps, so a drift of the
     machine falls on both alike. The other kernel must take this overlay's
-    arguments (its signature is checked on its first call by numba)."""
+    arguments (a TypeError on its first call otherwise). Only that file is
+    the other overlay's: the helpers it imports (table_kernels,
+    selection_kernels) are this overlay's, unless numba's cache beside it
+    (keyed by that file alone) still holds a build that inlined older ones;
+    compare kernels whose helpers did not change, or clear that cache."""
     import importlib.util
 
     import vllm.config  # noqa: F401 (first: the overlay's modules import it)

@@ -136,9 +136,10 @@ def test_the_eviction_kernels_take_turns_and_every_call_is_timed(monkeypatch):
         tt.TokenTablePool, "evict_lowest", tt.TokenTablePool.evict_lowest
     )
     monkeypatch.setattr(engine_driver, "EVICTION_CALLS", [])
+    # Its module leaves sys.modules at the end (recorded as absent now).
+    monkeypatch.delitem(sys.modules, "baseline_eviction_kernels", raising=False)
     turn = engine_driver.alternate_eviction(eviction_kernels.__file__)
     other = sys.modules["baseline_eviction_kernels"]
-    monkeypatch.setitem(sys.modules, "baseline_eviction_kernels", other)  # undone
     assert other is not eviction_kernels
     policy = create_policy("streamingllm", 4, {"num_sinks": 1})
     rt = EvictionRuntime(TokenTablePool(64, B), policy, 4, seed=0)

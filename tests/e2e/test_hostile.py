@@ -32,7 +32,7 @@ pytestmark = pytest.mark.e2e
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 SERVER_LOGS: dict[str, pathlib.Path] = {}  # url -> its log, for failure messages
-LONG = " ".join(["the lighthouse keeper counted the waves"] * 20)  # ~140 tokens
+LONG = " ".join(["the lighthouse keeper counted the waves"] * 20)  # 121 tokens
 
 
 @pytest.fixture(
@@ -102,11 +102,12 @@ EMBEDS = (send, {"prompt_embeds": embeds_b64(80), "max_tokens": 64})
 CHOICES = ["the lighthouse keeper counted", "the waves were counted"]
 CHOICE = {"prompt": LONG, "structured_outputs": {"choice": CHOICES}}
 # Then two samples that opt out of eviction, alone on the server: each grows
-# to 17 blocks or more (~140 + 128 tokens), the two to more than the pool's
-# 24 whether or not the second hits the first's prompt blocks, so one is
-# preempted whatever the timing (the mix's own preemptions depend on how
-# close together its requests arrive: none on a loaded machine, CI saw).
-PAIR = {"prompt": LONG, "max_tokens": 128, "n": 2, "temperature": 1, "seed": 7}
+# to 18 blocks (121 + 159 tokens with KV), which fit the pool's 23 usable
+# (24 less vLLM's null block), the two 29 even where the second hits the
+# first's 7 full prompt blocks, so one is preempted whatever the timing (the
+# mix's own preemptions depend on how close together its requests arrive:
+# none on a loaded machine, CI saw).
+PAIR = {"prompt": LONG, "max_tokens": 160, "n": 2, "temperature": 1, "seed": 7}
 PAIR |= {"ignore_eos": True, "vllm_xargs": {"kv_budget_tokens": "none"}}
 MIX = [
     (send, {"prompt": LONG, "max_tokens": 96, "temperature": 0, "ignore_eos": True}),
@@ -141,7 +142,7 @@ def test_a_hostile_mix_leaves_the_server_healthy_and_the_pool_empty(server_url):
     status, out = send(server_url, CHOICE)  # evicted while it decodes
     assert status == 200 and out["choices"][0]["text"] in CHOICES, out
     status, out = send(server_url, PAIR)
-    assert status == 200 and out["usage"]["completion_tokens"] == 2 * 128, out
+    assert status == 200 and out["usage"]["completion_tokens"] == 2 * 160, out
     assert urllib.request.urlopen(server_url + "/health", timeout=10).status == 200
     # The last step of this request reports the pool after everything finished
     # (an aborted stream takes no step of its own).

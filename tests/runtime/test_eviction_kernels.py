@@ -210,6 +210,17 @@ def test_the_index_rule_reads_a_list_keeping_dead_off_its_two_ends():
     assert take(5) == []  # fewer than 5: declined
     assert take(2, recent=4) == [4, 6] and take(3, recent=4) == []
     assert take(3, sinks=5) == [6, 7, 8] and take(4, sinks=5) == []
+    # 10 dead too: the tail's bits count (9 protected, 11 unslotted), and
+    # with no window the protected bound alone ends the candidates.
+    live[10] = False
+    n_live = 7
+
+    def bare(k):
+        got = _oldest_candidates(listed, live, 0, 12, n_live, 11, 9, 2, 0, k, out, 0)
+        return out[:got].tolist()
+
+    assert bare(4) == [4, 6, 7, 8] and bare(5) == []
+    live[10] = True
     out[:] = -1  # written at out[m:m + k] only
     assert take(2, m=5) == [4, 6] and out.tolist() == [-1] * 5 + [4, 6, -1]
 

@@ -20,7 +20,8 @@ token once:
               k = 1, the steady state: keys computed as the one scan goes;
               Random's one victim at a drawn position, no key computed;
               the logical index on a list keeping dead: its first live
-              entries past the sinks, the list not walked)
+              entries past the sinks, read off the list's head, nothing
+              copied)
               sorted ascending
     then      every row's victims killed in one loop (table_kernels.kill_rows,
               as evict_rows does; rows are distinct, so no choice reads a kill)
