@@ -70,6 +70,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from itertools import count
 
 SOURCES = ("sharegpt", "random")  # prompt sources, sized by their "n"
 # The `vllm` command of this very Python (its console script may not be on PATH).
@@ -698,11 +699,10 @@ def run_steps(spec: dict) -> dict:
         time_hooks()
     driver = Driver({**spec.get("engine", {}), **processors})
     if path := spec.get("alternate_eviction"):
-        turn, step, steps = alternate_eviction(path), driver.engine.step, [0]
+        turn, step, steps = alternate_eviction(path), driver.engine.step, count()
 
         def alternating():
-            turn(steps[0])
-            steps[0] += 1
+            turn(next(steps))
             return step()
 
         driver.engine.step = alternating

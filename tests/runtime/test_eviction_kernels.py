@@ -199,8 +199,9 @@ def test_the_index_rule_reads_a_list_keeping_dead_off_its_two_ends():
     out = np.full(8, -1, np.int64)
 
     def take(k, sinks=2, recent=2, m=3):
+        n_live = int(live.sum())
         got = _oldest_candidates(
-            listed, live, 0, 12, 8, 11, 9, sinks, recent, k, out, m
+            listed, live, 0, 12, n_live, 11, 9, sinks, recent, k, out, m
         )
         return out[m:got].tolist()
 
@@ -213,13 +214,7 @@ def test_the_index_rule_reads_a_list_keeping_dead_off_its_two_ends():
     # 10 dead too: the tail's bits count (9 protected, 11 unslotted), and
     # with no window the protected bound alone ends the candidates.
     live[10] = False
-    n_live = 7
-
-    def bare(k):
-        got = _oldest_candidates(listed, live, 0, 12, n_live, 11, 9, 2, 0, k, out, 0)
-        return out[:got].tolist()
-
-    assert bare(4) == [4, 6, 7, 8] and bare(5) == []
+    assert take(4, recent=0) == [4, 6, 7, 8] and take(5, recent=0) == []
     live[10] = True
     out[:] = -1  # written at out[m:m + k] only
     assert take(2, m=5) == [4, 6] and out.tolist() == [-1] * 5 + [4, 6, -1]
