@@ -530,6 +530,31 @@ def eviction_section(d: dict, img: str) -> list[str]:
         {"policy": "l", "calls each": "r", "median µs": "r", "baseline µs": "r"}
         | {"now / baseline": "r", "mean µs, now / baseline": "r"},
     )
+    return out + turns_rows(d) + [""]
+
+
+def kernel_section(d: dict, img: str) -> list[str]:
+    module, _, name = d["kernel"].partition(":")
+    out = table_head(
+        f"One kernel, old and new: `{name}`, {d['requests']:,} requests, "
+        f"budget {d['budget']}",
+        f"`{d['command']}` ({d['date']}). {d['requests']:,} random prompts of "
+        f"{d['prompt_len']} tokens on a dummy-weight two-layer Llama, "
+        f"{d['gen_len']} generated, budget {d['budget']}. One engine per "
+        f"policy, this overlay's `{module}.{name}` and the baseline overlay's "
+        "taking turns step by step (both see the same tables and machine, "
+        "right after the same forward); µs a call of the kernel alone over "
+        "the calls on every request. Baseline: "
+        f"`{d['baseline']}`.",
+        {"policy": "l", "calls each": "r", "median µs": "r", "baseline µs": "r"}
+        | {"now / baseline": "r", "mean µs, now / baseline": "r"},
+    )
+    return out + turns_rows(d) + [""]
+
+
+def turns_rows(d: dict) -> list[str]:
+    """The rows of a table of kernels taking turns (bench_vtoken.turns_row)."""
+    out = []
     for policy, r in d["rows"].items():
         this, base = r["this"], r["baseline"]
         out.append(
@@ -537,7 +562,7 @@ def eviction_section(d: dict, img: str) -> list[str]:
             f"| {base['median_us']:.0f} | {r['ratio']:.2f} "
             f"| {this['mean_us']:.0f} / {base['mean_us']:.0f} |"
         )
-    return out + [""]
+    return out
 
 
 def history_section(d: dict, img: str) -> list[str]:
@@ -659,6 +684,7 @@ SECTIONS = [
     ("quality", quality_section),
     ("scale", scale_section),
     ("eviction*", eviction_section),
+    ("kernel*", kernel_section),
     ("history", history_section),
     ("arrivals", arrivals_section),
     ("parallel", parallel_section),

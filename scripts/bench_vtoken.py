@@ -793,6 +793,40 @@ def cmd_scale(args) -> dict:
     }
 
 
+def turns_row(calls: list[list], n: int, what: str) -> dict:
+    """Per version ("this", "baseline") the calls on `n` rows of a run whose
+    kernels took turns (the driver's [which, rows, ns]): how many, median and
+    mean µs; and now / baseline of the medians."""
+    row = {}
+    for which in ("this", "baseline"):
+        ns = [c[2] for c in calls if c[:2] == [which, n]]
+        if not ns:
+            raise RuntimeError(f"{what}: no call on every request")
+        row[which] = {
+            "calls": len(ns),
+            "median_us": statistics.median(ns) / 1e3,
+            "mean_us": statistics.mean(ns) / 1e3,
+        }
+    row["ratio"] = row["this"]["median_us"] / row["baseline"]["median_us"]
+    return row
+
+
+def baseline_file(args, what: str, module: str) -> pathlib.Path:
+    """--baseline's copy of the overlay's `module` (a SystemExit without)."""
+    if not args.baseline:
+        raise SystemExit(f"{what}: --baseline (the overlay to compare with) is needed")
+    path = args.baseline / f"vllm/vtoken/{module}.py"
+    if not path.is_file():
+        raise SystemExit(f"{what}: no {path} (a site folder with an overlay)")
+    return path
+
+
+def baseline_series(args) -> str:
+    manifest = args.baseline / ".vtoken/manifest"  # apply.sh's: "hash <series>"
+    series = manifest.read_text().split()[1] if manifest.is_file() else "?"
+    return f"{args.baseline} (series {series})"
+
+
 def cmd_eviction(args) -> dict:
     """The scheduler's one-pass eviction (eviction_kernels.evict_lowest, the
     call in its begin_step) of this overlay against --baseline's, in one
@@ -803,11 +837,7 @@ def cmd_eviction(args) -> dict:
     first decode on. Median and mean µs a call over the calls that evict
     every request, per kernel; a scale run's hook times are too noisy on a
     2-core VM to resolve one kernel's change."""
-    if not args.baseline:
-        raise SystemExit("eviction: --baseline (the overlay to compare with) is needed")
-    path = args.baseline / "vllm/vtoken/eviction_kernels.py"
-    if not path.is_file():
-        raise SystemExit(f"eviction: no {path} (a site folder with an overlay)")
+    path = baseline_file(args, "eviction", "eviction_kernels")
     n = args.requests
     eng = all_at_once(args, n)
     spec = {**workload(args, n, args.prompt_len), "light": True}
@@ -816,24 +846,41 @@ def cmd_eviction(args) -> dict:
     for policy in args.policies:
         extra = policy_args(policy, args.budget, "vtoken")
         run = run_driver({"engine": {**eng, **extra}, **spec})
-        row = {}
-        for which in ("this", "baseline"):
-            ns = [c[2] for c in run["eviction_calls"] if c[:2] == [which, n]]
-            if not ns:
-                raise RuntimeError(f"eviction {policy}: no call evicted every request")
-            row[which] = {
-                "calls": len(ns),
-                "median_us": statistics.median(ns) / 1e3,
-                "mean_us": statistics.mean(ns) / 1e3,
-            }
-        row["ratio"] = row["this"]["median_us"] / row["baseline"]["median_us"]
-        rows[policy] = row
-        print(f"eviction {policy:13s} {row}")
-    manifest = args.baseline / ".vtoken/manifest"  # apply.sh's: "hash <series>"
-    series = manifest.read_text().split()[1] if manifest.is_file() else "?"
+        rows[policy] = turns_row(run["eviction_calls"], n, f"eviction {policy}")
+        print(f"eviction {policy:13s} {rows[policy]}")
     return {
         "rows": rows,
-        "baseline": f"{args.baseline} (series {series})",
+        "baseline": baseline_series(args),
+        **pick(args, "requests", "prompt_len", "gen_len", "budget"),
+    }
+
+
+def cmd_kernel(args) -> dict:
+    """`eviction` for any one compiled kernel (--kernel module:function, e.g.
+    table_kernels:append_read, the worker's step on its tables): this
+    overlay's and --baseline's take turns step by step in one engine per
+    policy (the driver's "alternate_kernel"); µs a call of the kernel alone
+    over the calls on every request (its first argument as long as
+    --requests)."""
+    module, _, name = (args.kernel or "").partition(":")
+    if not name:
+        raise SystemExit("kernel: --kernel module:function is needed")
+    path = baseline_file(args, "kernel", module)
+    n = args.requests
+    eng = all_at_once(args, n)
+    spec = {**workload(args, n, args.prompt_len), "light": True}
+    spec["alternate_kernel"] = {"path": str(path), "name": name}
+    rows = {}
+    for policy in args.policies:
+        extra = policy_args(policy, args.budget, "vtoken")
+        run = run_driver({"engine": {**eng, **extra}, **spec})
+        calls = run.get("kernel_calls", [])
+        rows[policy] = turns_row(calls, n, f"kernel {args.kernel} {policy}")
+        print(f"kernel {policy:13s} {rows[policy]}")
+    return {
+        "rows": rows,
+        "kernel": args.kernel,
+        "baseline": baseline_series(args),
         **pick(args, "requests", "prompt_len", "gen_len", "budget"),
     }
 
@@ -900,6 +947,7 @@ EXPERIMENTS = {  # name: (run, plot or None)
     "arrivals": (cmd_arrivals, None),
     "parallel": (cmd_parallel, None),
     "eviction": (cmd_eviction, None),
+    "kernel": (cmd_kernel, None),
 }
 
 
@@ -938,7 +986,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=pathlib.Path,
         help="memory, scale, history, arrivals: also time this site folder's overlay "
         "(an older series applied to a copy of vLLM; docs/DEVELOPING.md); "
-        "eviction: its eviction kernel against this overlay's, in one engine",
+        "eviction, kernel: its kernel against this overlay's, in one engine",
+    )
+    p.add_argument(
+        "--kernel",
+        help="kernel: the compiled kernel, module:function (table_kernels:append_read)",
     )
     return p.parse_args(argv)
 

@@ -37,6 +37,11 @@ scheduler's state is sampled after every step, into OUT as JSON. SPEC keys:
               one-pass eviction and this overlay's take turns step by step;
               "eviction_calls" lists [which ("this" or "baseline"), rows, ns]
               for every call (TokenTablePool.evict_lowest)
+  alternate_kernel  {"path": another overlay's kernel module (e.g.
+              .../vllm/vtoken/table_kernels.py), "name": one of its kernels}:
+              that kernel and this overlay's take turns step by step;
+              "kernel_calls" lists [which, rows (its first argument's
+              length), ns] for every call
   force       per request, token ids to emit (teacher forcing, ForceTokens); the
               run then records "logprobs": the model's own for each forced token
   search      {"lo": a, "hi": b, "wave": W}: instead, bisect on one engine for
@@ -358,6 +363,50 @@ def alternate_eviction(path: str):
             EVICTION_CALLS.append([which[0], len(rows), time.perf_counter_ns() - t])
 
     tt.TokenTablePool.evict_lowest = timed
+
+    def turn(step: int) -> None:
+        which[0] = ("this", "baseline")[step % 2]
+
+    return turn
+
+
+# The calls of the spec's "alternate_kernel": [which, rows, ns].
+KERNEL_CALLS: list[list] = []
+
+
+def alternate_kernel(path: str, name: str):
+    """`alternate_eviction` for any one compiled kernel: `path` is another
+    overlay's copy of one of this overlay's kernel modules (vllm/vtoken/
+    <module>.py), loaded beside it; its `name` and this overlay's take turns
+    (turn(step): even steps this overlay's) and every call is timed
+    (KERNEL_CALLS, rows: the call's first argument's length). The overlay
+    calls its kernels through their module (`TokenTablePool._k.append_read`),
+    so the module's attribute is what is swapped: a caller holding the
+    function itself would call this overlay's every step and none would be
+    timed (the benchmark then fails). As with alternate_eviction, only that
+    file is the other overlay's."""
+    import importlib
+    import importlib.util
+
+    import vllm.config  # noqa: F401 (first: the overlay's modules import it)
+
+    stem = os.path.splitext(os.path.basename(path))[0]
+    this = importlib.import_module(f"vllm.vtoken.{stem}")
+    spec = importlib.util.spec_from_file_location(f"baseline_{stem}", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other
+    spec.loader.exec_module(other)
+    kernels = {"this": getattr(this, name), "baseline": getattr(other, name)}
+    which = ["this"]
+
+    def timed(*args):
+        t = time.perf_counter_ns()
+        try:
+            return kernels[which[0]](*args)
+        finally:
+            KERNEL_CALLS.append([which[0], len(args[0]), time.perf_counter_ns() - t])
+
+    setattr(this, name, timed)
 
     def turn(step: int) -> None:
         which[0] = ("this", "baseline")[step % 2]
@@ -698,11 +747,16 @@ def run_steps(spec: dict) -> dict:
     if spec.get("time_hooks"):
         time_hooks()
     driver = Driver({**spec.get("engine", {}), **processors})
-    if path := spec.get("alternate_eviction"):
-        turn, step, steps = alternate_eviction(path), driver.engine.step, count()
+    turns = [alternate_eviction(p) for p in [spec.get("alternate_eviction")] if p]
+    if alt := spec.get("alternate_kernel"):
+        turns.append(alternate_kernel(alt["path"], alt["name"]))
+    if turns:
+        step, steps = driver.engine.step, count()
 
         def alternating():
-            turn(next(steps))
+            k = next(steps)
+            for turn in turns:
+                turn(k)
             return step()
 
         driver.engine.step = alternating
@@ -718,6 +772,8 @@ def run_steps(spec: dict) -> dict:
             result.update(python_calls=calls["call"], c_calls=calls["c_call"])
     if EVICTION_CALLS:
         result["eviction_calls"] = EVICTION_CALLS
+    if KERNEL_CALLS:
+        result["kernel_calls"] = KERNEL_CALLS
     vt = getattr(driver.sched, "vtoken", None)
     result.update(
         block_size=driver.sched.block_size,

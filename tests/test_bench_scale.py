@@ -222,7 +222,47 @@ def test_the_eviction_benchmark_takes_only_the_calls_that_evict_every_request(
     )
     assert specs[0]["engine"]["num_gpu_blocks_override"] == 4 + 2 * 4  # room for all
     calls[:] = [["this", 2, 1], ["baseline", 2, 1]]  # none evicted every request
-    with pytest.raises(RuntimeError, match="no call evicted every request"):
+    with pytest.raises(RuntimeError, match="no call on every request"):
         bench.cmd_eviction(args)
     with pytest.raises(SystemExit, match="--baseline"):
         bench.cmd_eviction(bench.parse_args(["eviction"]))
+
+
+def test_the_kernel_benchmark_times_the_named_kernel_of_the_baselines_module(
+    tmp_path, monkeypatch
+):
+    # bench_vtoken.py kernel on a hand-made driver result: the baseline's copy
+    # of the named module is what the driver swaps in; the calls on every
+    # request count, as eviction's.
+    base = tmp_path / "site"
+    (base / "vllm/vtoken").mkdir(parents=True)
+    (base / "vllm/vtoken/table_kernels.py").write_text("")
+    calls = [["this", 4, 2_000], ["baseline", 4, 4_000], ["this", 3, 9_000]]
+    specs = []
+
+    def run_driver(spec, **kwargs):
+        specs.append(spec)
+        return {"kernel_calls": calls}
+
+    monkeypatch.setattr(bench, "run_driver", run_driver)
+    argv = ["kernel", "--requests", "4", "--policies", "h2o", "random"]
+    argv += ["--baseline", str(base), "--kernel", "table_kernels:append_read"]
+    out = bench.cmd_kernel(bench.parse_args(argv))
+    assert out["kernel"] == "table_kernels:append_read"
+    assert out["baseline"].endswith("(series ?)")  # no manifest
+    for policy in ("h2o", "random"):
+        row = out["rows"][policy]
+        assert row["this"] == {"calls": 1, "median_us": 2.0, "mean_us": 2.0}
+        assert row["ratio"] == pytest.approx(0.5)
+    assert specs[0]["alternate_kernel"] == {
+        "path": str(base / "vllm/vtoken/table_kernels.py"),
+        "name": "append_read",
+    }
+    assert specs[1]["engine"]["kv_eviction_policy"] == "random"
+    with pytest.raises(SystemExit, match="no .*read_kernels.py"):
+        bench.cmd_kernel(bench.parse_args([*argv[:-1], "read_kernels:cpu_plan_index"]))
+    with pytest.raises(SystemExit, match="--kernel module:function"):
+        bench.cmd_kernel(bench.parse_args(argv[:-2]))
+    calls[:] = []  # the overlay never called it through its module
+    with pytest.raises(RuntimeError, match="no call on every request"):
+        bench.cmd_kernel(bench.parse_args(argv))

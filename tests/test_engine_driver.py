@@ -159,3 +159,38 @@ def test_the_eviction_kernels_take_turns_and_every_call_is_timed(monkeypatch):
     calls = engine_driver.EVICTION_CALLS
     assert [c[:2] for c in calls] == [["this", 3], ["baseline", 3]] * 2
     assert all(c[2] > 0 for c in calls)
+
+
+def test_any_kernel_takes_turns_with_another_overlays_and_every_call_is_timed(
+    monkeypatch,
+):
+    # bench_vtoken.py kernel: the module's attribute is swapped, so the
+    # pool's calls through it (pool._k.read_walk) alternate and are timed,
+    # each with its rows; both versions walk the same table alike.
+    import sys
+
+    from vllm.vtoken import table_kernels
+
+    monkeypatch.setattr(table_kernels, "read_walk", table_kernels.read_walk)
+    monkeypatch.setattr(engine_driver, "KERNEL_CALLS", [])
+    monkeypatch.delitem(sys.modules, "baseline_table_kernels", raising=False)
+    turn = engine_driver.alternate_kernel(table_kernels.__file__, "read_walk")
+    other = sys.modules["baseline_table_kernels"]
+    assert other is not table_kernels
+    pool = TokenTablePool(64, B)
+    for i, rid in enumerate(["a", "b", "c"]):
+        pool.add_request(rid, keep_dead=True)
+        pool.append(rid, np.arange(10) + 16 * i)
+    pool.evict("b", np.array([2, 5], np.int64))
+    rows = pool.rows(["a", "b", "c"])
+    got = []
+    for step in range(4):
+        turn(step)
+        got.append(pool.read_walk(rows, np.full(3, 9, np.int64)))
+    for counts, idx, slots, queries in got:
+        assert counts.tolist() == [10, 8, 10] and queries == 3
+        np.testing.assert_array_equal(idx, got[0][1])
+        np.testing.assert_array_equal(slots, got[0][2])
+    calls = engine_driver.KERNEL_CALLS
+    assert [c[:2] for c in calls] == [["this", 3], ["baseline", 3]] * 2
+    assert all(c[2] > 0 for c in calls)
