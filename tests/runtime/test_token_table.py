@@ -404,6 +404,24 @@ def test_as_index_takes_integers_only():
         as_index(np.zeros((1, 1), np.int64), "ids")
 
 
+def test_the_hooks_offsets_are_indptr_of_whatever_ints_they_get():
+    # TokenTablePool.offsets, the hooks' compiled indptr_of: the same CSR
+    # offsets for the int64 arrays the hooks pass, and for the int32, strided
+    # and empty ones a plug-in's answer may bring (converted, not refused).
+    from vllm.vtoken.arena import indptr_of
+    from vllm.vtoken.table_kernels import offsets_into
+
+    pool = TokenTablePool(16, B)
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 40, size=37).astype(np.int64)
+    for c in (counts, counts[::3], counts.astype(np.int32), counts[:0]):
+        got = pool.offsets(c)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, indptr_of(c))
+    with pytest.raises(ValueError, match="one longer"):
+        offsets_into(counts, np.zeros(counts.size, np.int64))
+
+
 def test_live_tokens_walk_the_live_list_in_logical_order():
     pool = make_pool(a=[12, 13, 14, 15, 40, 41], b=[8, 9, 10])
     pool.evict("a", np.array([0, 2, 4]))

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, indptr_of, picked, segments, values
+from vllm.vtoken.arena import attrs, picked, segments, values
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
@@ -249,7 +249,10 @@ class VTokenScheduler:
                 counts[keep],
             )
         return VTokenStep(
-            dead_req_ids=ids, dead_indptr=indptr_of(counts), dead_idx=idx, moves=moves
+            dead_req_ids=ids,
+            dead_indptr=self.pool.offsets(counts),
+            dead_idx=idx,
+            moves=moves,
         )
 
     @timed("scheduler_ns")

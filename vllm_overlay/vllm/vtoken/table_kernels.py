@@ -65,6 +65,18 @@ def listed_live(r, start, n_live, n_listed, n_slotted, listed, live, out):
     return k
 
 
+@numba.njit(numba.void(_i64, _i64), **_jit)
+def offsets_into(counts, out):
+    """out[0] = 0, out[i + 1] = counts[0] + ... + counts[i]: a CSR's offsets
+    (TokenTablePool.offsets)."""
+    if out.size != counts.size + 1:
+        raise ValueError("offsets_into: out is not one longer than counts")
+    total = out[0] = 0
+    for i in range(counts.size):
+        total += counts[i]
+        out[i + 1] = total
+
+
 # walk_row's `computed` when the caller wants no query count.
 _NO_QUERIES = 1 << 62
 

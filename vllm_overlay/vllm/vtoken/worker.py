@@ -34,7 +34,7 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, block_shift, indptr_of, lookup, ranges, values
+from vllm.vtoken.arena import attrs, block_shift, lookup, ranges, values
 from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
@@ -287,7 +287,7 @@ class VTokenWorker:
         slot_mapping = input_batch.block_table[0].slot_mapping.np
         computed = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         counts = num_scheduled[:num_reqs].astype(np.int64)
-        qsl = indptr_of(counts)
+        qsl = pool.offsets(counts)
         rows, scored = self._batch.get(rids, lambda b: self._rows_of(b, requests))
         new = slot_mapping[: qsl[-1]]
         # Append, then the keys of the rows read: live tokens before the
