@@ -246,8 +246,18 @@ def counted(run) -> tuple[tuple[int, int], object]:
     """((the Python and C calls `run()` makes, the lines of the overlay's
     code it runs), what it returns): engine_driver.call_counter, which the
     engine-level count (tests/e2e/test_step_cost.py) uses too."""
+    import gc
+
     counts = {"call": 0, "c_call": 0, "line": 0}
-    out = engine_driver.call_counter(counts)(run)
+    # No collection inside: a finalizer it runs is a call the run did not
+    # make (one full unit run counted 16 requests' plan unlike 4's; the
+    # test alone, and two more full runs, did not).
+    gc.collect()
+    gc.disable()
+    try:
+        out = engine_driver.call_counter(counts)(run)
+    finally:
+        gc.enable()
     return (counts["call"] + counts["c_call"], counts["line"]), out
 
 
