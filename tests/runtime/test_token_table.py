@@ -718,7 +718,7 @@ def _separate_passes(pool, rows, computed, counts, slots, scored, hit_slots):
     read = (writes | scored).nonzero()[0]
     num_keys = np.zeros(rows.size, np.int64)
     num_keys[read], idx, kv = read_keys(pool, rows[read], computed[read])
-    return writes, np.r_[0, num_keys.cumsum()], idx, kv
+    return writes, np.r_[0, num_keys.cumsum()], idx, kv, not writes.all()
 
 
 def _with_hits(slots, counts, fresh):
@@ -747,7 +747,7 @@ def test_append_read_is_the_separate_passes():
     for pool in (fused, ref):
         for rid in names:
             pool.add_request(rid)
-    next_slot = iter(range(4096 * B))
+    next_slot, stock = iter(range(4096 * B)), set()
     for step in range(60):
         rids = list(rng.choice(names, size=rng.integers(1, 9), replace=False))
         if step % 17 == 16:  # preempt one: it resumes, recomputing its tokens
@@ -767,6 +767,7 @@ def test_append_read_is_the_separate_passes():
         want = _separate_passes(ref, rows, computed, counts, slots, scored, hit_slots)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
+        stock.add(got[-1])
         for pool in (fused, ref):  # evict some live tokens
             pool.check_integrity()
         live = [ref.live_idx(r) for r in rids]
@@ -776,6 +777,7 @@ def test_append_read_is_the_separate_passes():
                 pool.evict(r, d[d < pool.num_slotted(r)])
     assert fused.total_live() == ref.total_live()
     np.testing.assert_array_equal(fused.block_live, ref.block_live)
+    assert stock == {True, False}  # batches with and without a stock row
 
 
 def test_append_read_refuses_too_few_slots_and_changes_nothing():

@@ -104,8 +104,9 @@ class ScoreStep:
         the transport's buffers (a zmq frame: a message over the ring's
         chunk, or a remote reader; `owned`) copied, writable ones as they
         are (the fold reads them at once and keeps none)."""
-        arrays = (self.indptr, self.key_idx, self.gain)
-        if all(a.flags.writeable for a in arrays):
+        # Not all() over a generator: five Python calls a step, cold.
+        indptr, key_idx, gain = self.indptr, self.key_idx, self.gain
+        if indptr.flags.writeable and key_idx.flags.writeable and gain.flags.writeable:
             return self
         return replace(
             self,

@@ -259,8 +259,10 @@ class VTokenScheduler:
     def on_output(self, out: VTokenWorkerOutput | None) -> None:
         """Take the worker's scores and apply its acknowledged move batches."""
         k = self._num_outputs = self._num_outputs + 1  # batch k's output
-        stale = {r for r, n in self._stale.items() if n >= k}
-        self._stale = {r: n for r, n in self._stale.items() if n > k}
+        stale = _NONE  # usually: no request freed with a step in flight
+        if self._stale:
+            stale = {r for r, n in self._stale.items() if n >= k}
+            self._stale = {r: n for r, n in self._stale.items() if n > k}
         freed = self._freed_by_step.popleft() if self._freed_by_step else -1
         if out is None:
             return

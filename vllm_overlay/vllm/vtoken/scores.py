@@ -101,7 +101,13 @@ class ScoreAccumulator:
         # zeroed tensor a step is an allocation (on CPU, past ~128 KiB, page
         # faults: a 1,024-request step's keys) on the step's path.
         self._buf = torch.zeros(0, dtype=torch.float32, device=self.device)
-        self._step = self._buf
+        self._step = self._empty = self._buf
+        # Their sizes as Python ints, and on CPU the buffer as NumPy, for
+        # take_step: a torch call where the hooks run (numel, cpu, numpy),
+        # cold after the forward, costs some 3-8 us (64 requests, in-engine).
+        self._buf_len = self._step_len = 0
+        self._reduced = False  # the step buffer replaced by reduce_step's
+        self._host = self._buf.numpy() if self.device.type == "cpu" else None
         # Not zeroed yet: the first layer's in-order masses are copied in
         # rather than added to zeros (a memset of every key a step, ~30 us at
         # 1,024 requests on the caches the forward left); anything else
@@ -125,10 +131,13 @@ class ScoreAccumulator:
         """A zeroed step buffer for the `num_keys` keys of the step's read
         (the kept buffer's first `num_keys` entries; it doubles when short),
         zeroed lazily (`_unset`)."""
-        if self._buf.numel() < num_keys:
-            size = max(num_keys, 2 * self._buf.numel())
+        if self._buf_len < num_keys:
+            size = self._buf_len = max(num_keys, 2 * self._buf_len)
             self._buf = torch.empty(size, dtype=torch.float32, device=self.device)
-        self._step = self._buf[:num_keys]
+            if self._host is not None:
+                self._host = self._buf.numpy()
+        self._step, self._step_len = self._buf[:num_keys], num_keys
+        self._reduced = False
         self._unset = True  # zeroed when first read, unless copied into
 
     def add(self, pos: torch.Tensor | None, attn_mass: torch.Tensor) -> None:
@@ -165,6 +174,7 @@ class ScoreAccumulator:
         ranks.py)."""
         self._zeroed()
         self._step = reduce(self._step, self.aggregate)
+        self._reduced = True  # no longer the buffer's view (take_step)
 
     def _zeroed(self) -> None:
         # The step buffer as begin_step promised it, before it is read.
@@ -197,15 +207,19 @@ class ScoreAccumulator:
             query_start_loc: int64 [R + 1] request r's query rows this step.
             norm: num_layers * num_heads (> 0), a float.
         """
-        assert norm > 0 and len(key_idx) == self._step.numel(), (norm, len(key_idx))
+        n = len(key_idx)
+        assert norm > 0 and n == self._step_len, (norm, n, self._step_len)
         self._zeroed()  # no layer read scores: no mass
-        mass = self._step.cpu().numpy()  # the step's one device-to-host copy
+        if self._host is not None and not self._reduced:  # the CPU buffer's
+            mass = self._host[:n]
+        else:
+            mass = self._step.cpu().numpy()  # the step's one device-to-host copy
         if self.aggregate == "max":
             norm = 1.0  # one head of one layer, not their sum
         gain, read, indptr = self._k.step_gains(
             mass, key_indptr, query_start_loc, norm, self.mode == "persistence"
         )
-        self._step = self._step[:0]
+        self._step, self._step_len = self._empty, 0
         n = len(req_ids)
         return ScoreStep(
             req_ids=list(req_ids)

@@ -458,8 +458,9 @@ def plan_due(rows, n_tokens, n_live, n_dead_marked, n_nulls, block_size):
     return due
 
 
-# append_read's status bits: nothing changed (HITS, ROOM), or keys not listed.
-HITS, ROOM, DEAD_QUERY = 1, 2, 4
+# append_read's status bits: nothing changed (HITS, ROOM), or keys not
+# listed (DEAD_QUERY), or a row without a dead token (STOCK).
+HITS, ROOM, DEAD_QUERY, STOCK = 1, 2, 4, 8
 
 
 @numba.njit(
@@ -486,7 +487,8 @@ def append_read(
     unread row has none. status HITS (a row has hits and not `with_hits`) or
     ROOM (a region is too small: arena.reserve) changed nothing; DEAD_QUERY:
     a query token is dead (a resumed request recomputes it), so the keys,
-    which list live tokens only, are not the read's (context.read_keys)."""
+    which list live tokens only, are not the read's (context.read_keys);
+    STOCK: a row has no dead token (vLLM's kernel writes its output)."""
     R = rows.size
     if computed.size != R or counts.size != R or scored.size != R:
         raise ValueError("append_read: not one count, computed and flag a row")
@@ -521,6 +523,7 @@ def append_read(
     for i in range(R):
         r = rows[i]
         writes[i] = n_live[r] < n_tokens[r]
+        status |= STOCK * (not writes[i])
         if writes[i] or scored[i]:
             n += n_listed[r]
     idx, kv = np.empty(n, np.int64), np.empty(n, np.int64)

@@ -295,7 +295,7 @@ class VTokenWorker:
         # preempted request recomputes its KV; it is attended this once and
         # stays dead afterwards. Rows not read get no keys: vLLM's kernel
         # reads their positional KV. One compiled call (DESIGN §10).
-        writes, kv_indptr, idx, kv_np = pool.append_read(
+        writes, kv_indptr, idx, kv_np, stock = pool.append_read(
             rows, computed, counts, new, scored,
             partial(self._with_hits, rids, requests, counts, new),
         )  # fmt: skip
@@ -352,7 +352,7 @@ class VTokenWorker:
             kv_slots=kv_slots,
             plan=plan,
             scores=self.scores,
-            with_stock=not np.logical_and.reduce(writes),  # .all(): 3 calls
+            with_stock=stock,
             score_rows=score_rows,
         )
         set_token_read(self._read)
