@@ -206,3 +206,38 @@ def test_a_steps_first_in_order_masses_are_copied_into_the_kept_buffer(aggregate
     acc.reduce_step(lambda buf, agg: combine(buf, other))
     step = acc.take_step(["a"], np.array([0, 50]), np.arange(50), np.array([0, 1]), 1.0)
     np.testing.assert_array_equal(step.gain, other.numpy())
+
+
+def test_one_ranks_step_buffer_is_read_in_place(monkeypatch):
+    """On CPU, take_step reads the step buffer through the NumPy view kept
+    with it (no Tensor.cpu() a step), also after one rank's reduce, which
+    returns the buffer itself; a reduce that returns another tensor (TP,
+    PP) is read from that tensor."""
+    import torch
+
+    from vllm.vtoken.scores import ScoreAccumulator
+
+    cpu, calls = torch.Tensor.cpu, []
+
+    def counted_cpu(self, *args, **kwargs):
+        calls.append(self.numel())
+        return cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted_cpu)
+    acc, n = ScoreAccumulator("sum"), 40
+    one = (["a"], np.array([0, n]), np.arange(n), np.array([0, 1]), 1.0)
+    mass, other = torch.rand(n), torch.rand(n)
+    acc.begin_step(n)
+    acc.add(None, mass)
+    acc.reduce_step(lambda buf, agg: buf)  # one rank: no group to reduce over
+    np.testing.assert_array_equal(acc.take_step(*one).gain, mass.numpy())
+    assert calls == []
+    acc.begin_step(n)
+    acc.add(None, mass)
+    acc.reduce_step(lambda buf, agg: buf + other)  # another rank's masses
+    np.testing.assert_array_equal(acc.take_step(*one).gain, (mass + other).numpy())
+    assert calls == [n]
+    acc.begin_step(n)  # the next step's buffer: in place again
+    acc.add(None, other)
+    np.testing.assert_array_equal(acc.take_step(*one).gain, other.numpy())
+    assert calls == [n]

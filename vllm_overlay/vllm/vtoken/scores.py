@@ -173,8 +173,10 @@ class ScoreAccumulator:
         and PP, every rank's masses (each covers its heads of its layers;
         ranks.py)."""
         self._zeroed()
-        self._step = reduce(self._step, self.aggregate)
-        self._reduced = True  # no longer the buffer's view (take_step)
+        step = reduce(self._step, self.aggregate)
+        # One rank: the buffer itself, still read through its view.
+        self._reduced = step is not self._step
+        self._step = step
 
     def _zeroed(self) -> None:
         # The step buffer as begin_step promised it, before it is read.

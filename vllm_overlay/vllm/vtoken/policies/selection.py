@@ -68,7 +68,9 @@ class ArrivalSteps:
         """Request req_ids[k] starts a step with num_new[k] new tokens."""
         num_new = np.ascontiguousarray(num_new, np.int64)
         ids = req_ids
-        if not num_new.all():
+        # count_nonzero, one C loop (~2 us where the hooks run, profiled),
+        # not .all(): a ufunc reduction behind a Python wrapper (~5 us).
+        if np.count_nonzero(num_new) != num_new.size:
             ids = [r for r, n in zip(req_ids, num_new.tolist(), strict=True) if n > 0]
             num_new = num_new[num_new > 0]
         a = self._a
@@ -96,8 +98,10 @@ class ArrivalSteps:
         """(rows, start, born, step) of `req_ids`, for a compiled pass to
         read their tokens' arrival steps in place; None if one has none."""
         a = self._a
-        (rows,) = self._read.get(req_ids, lambda ids: (a.rows_or_missing(ids),))
-        if rows.size and rows.min() < 0:
+        # Whether one has none, with the rows: a NumPy min where the hooks
+        # run took ~20 us (cold; its Python wrapper and a ufunc reduction).
+        rows, missing = self._read.get(req_ids, lambda ids: _rows_missing(a, ids))
+        if missing:
             return None
         return rows, a.start, a.data["born"], a.cols["step"]
 
@@ -172,3 +176,9 @@ def _pool_wide(key, at, a, b, kernel, how) -> np.ndarray:
         table.append(nxt)
     table = np.stack(table)
     return np.maximum(table[level, a], table[level, b - (1 << level) + 1])
+
+
+def _rows_missing(arena: RowArena, req_ids: list[str]) -> tuple[np.ndarray, bool]:
+    """(rows, whether a request has none) for ArrivalSteps' BatchMemo."""
+    rows = arena.rows_or_missing(req_ids)
+    return rows, bool(rows.size) and bool(rows.min() < 0)
