@@ -514,47 +514,44 @@ def hooks_table(d: dict) -> list[str]:
 
 
 def eviction_section(d: dict, img: str) -> list[str]:
-    out = table_head(
+    return turns_table(
+        d,
         f"The scheduler's one-pass eviction, old and new: {d['requests']:,} "
         f"requests, budget {d['budget']}",
-        f"`{d['command']}` ({d['date']}). {d['requests']:,} random prompts of "
-        f"{d['prompt_len']} tokens on a dummy-weight two-layer Llama, "
-        f"{d['gen_len']} generated, budget {d['budget']}: every request evicts "
-        "from its first decode on. One engine per policy, this overlay's "
-        "`eviction_kernels.evict_lowest` and the baseline overlay's taking "
-        "turns step by step (both see the same tables, scores and machine); "
-        "µs a call of `TokenTablePool.evict_lowest` (the kernel and its Python "
-        "wrapper; the scheduler's begin_step makes one) over the calls that "
-        "evict every request. Baseline: "
-        f"`{d['baseline']}`.",
-        {"policy": "l", "calls each": "r", "median µs": "r", "baseline µs": "r"}
-        | {"now / baseline": "r", "mean µs, now / baseline": "r"},
+        ": every request evicts from its first decode on. One engine per "
+        "policy, this overlay's `eviction_kernels.evict_lowest` and the "
+        "baseline overlay's taking turns step by step (both see the same "
+        "tables, scores and machine); µs a call of `TokenTablePool."
+        "evict_lowest` (the kernel and its Python wrapper; the scheduler's "
+        "begin_step makes one) over the calls that evict every request.",
     )
-    return out + turns_rows(d) + [""]
 
 
 def kernel_section(d: dict, img: str) -> list[str]:
     module, _, name = d["kernel"].partition(":")
-    out = table_head(
+    return turns_table(
+        d,
         f"One kernel, old and new: `{name}`, {d['requests']:,} requests, "
         f"budget {d['budget']}",
+        f". One engine per policy, this overlay's `{module}.{name}` and the "
+        "baseline overlay's taking turns step by step (both see the same "
+        "tables and machine, right after the same forward); µs a call of the "
+        "kernel alone over the calls on every request.",
+    )
+
+
+def turns_table(d: dict, title: str, method: str) -> list[str]:
+    """A table of two versions of a kernel taking turns in one engine
+    (bench_vtoken.py eviction, kernel): `method` follows the workload."""
+    out = table_head(
+        title,
         f"`{d['command']}` ({d['date']}). {d['requests']:,} random prompts of "
         f"{d['prompt_len']} tokens on a dummy-weight two-layer Llama, "
-        f"{d['gen_len']} generated, budget {d['budget']}. One engine per "
-        f"policy, this overlay's `{module}.{name}` and the baseline overlay's "
-        "taking turns step by step (both see the same tables and machine, "
-        "right after the same forward); µs a call of the kernel alone over "
-        "the calls on every request. Baseline: "
+        f"{d['gen_len']} generated, budget {d['budget']}{method} Baseline: "
         f"`{d['baseline']}`.",
         {"policy": "l", "calls each": "r", "median µs": "r", "baseline µs": "r"}
         | {"now / baseline": "r", "mean µs, now / baseline": "r"},
     )
-    return out + turns_rows(d) + [""]
-
-
-def turns_rows(d: dict) -> list[str]:
-    """The rows of a table of kernels taking turns (bench_vtoken.turns_row)."""
-    out = []
     for policy, r in d["rows"].items():
         this, base = r["this"], r["baseline"]
         out.append(
@@ -562,7 +559,7 @@ def turns_rows(d: dict) -> list[str]:
             f"| {base['median_us']:.0f} | {r['ratio']:.2f} "
             f"| {this['mean_us']:.0f} / {base['mean_us']:.0f} |"
         )
-    return out
+    return out + [""]
 
 
 def history_section(d: dict, img: str) -> list[str]:
