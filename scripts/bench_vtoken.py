@@ -838,21 +838,7 @@ def cmd_eviction(args) -> dict:
     every request, per kernel; a scale run's hook times are too noisy on a
     2-core VM to resolve one kernel's change."""
     path = baseline_file(args, "eviction", "eviction_kernels")
-    n = args.requests
-    eng = all_at_once(args, n)
-    spec = {**workload(args, n, args.prompt_len), "light": True}
-    spec["alternate_eviction"] = str(path)
-    rows = {}
-    for policy in args.policies:
-        extra = policy_args(policy, args.budget, "vtoken")
-        run = run_driver({"engine": {**eng, **extra}, **spec})
-        rows[policy] = turns_row(run["eviction_calls"], n, f"eviction {policy}")
-        print(f"eviction {policy:13s} {rows[policy]}")
-    return {
-        "rows": rows,
-        "baseline": baseline_series(args),
-        **pick(args, "requests", "prompt_len", "gen_len", "budget"),
-    }
+    return taking_turns(args, {"alternate_eviction": str(path)}, "eviction_calls")
 
 
 def cmd_kernel(args) -> dict:
@@ -866,20 +852,26 @@ def cmd_kernel(args) -> dict:
     if not name:
         raise SystemExit("kernel: --kernel module:function is needed")
     path = baseline_file(args, "kernel", module)
+    alt = {"alternate_kernel": {"path": str(path), "name": name}}
+    return {**taking_turns(args, alt, "kernel_calls"), "kernel": args.kernel}
+
+
+def taking_turns(args, alternate: dict, calls: str) -> dict:
+    """eviction's and kernel's runs: one engine per policy of --requests at
+    once, the driver's `alternate` key making two kernels take turns; per
+    policy turns_row of the run's `calls`."""
     n = args.requests
     eng = all_at_once(args, n)
-    spec = {**workload(args, n, args.prompt_len), "light": True}
-    spec["alternate_kernel"] = {"path": str(path), "name": name}
+    spec = {**workload(args, n, args.prompt_len), "light": True, **alternate}
+    what = args.experiment + (f" {args.kernel}" if args.experiment == "kernel" else "")
     rows = {}
     for policy in args.policies:
         extra = policy_args(policy, args.budget, "vtoken")
         run = run_driver({"engine": {**eng, **extra}, **spec})
-        calls = run.get("kernel_calls", [])
-        rows[policy] = turns_row(calls, n, f"kernel {args.kernel} {policy}")
-        print(f"kernel {policy:13s} {rows[policy]}")
+        rows[policy] = turns_row(run.get(calls, []), n, f"{what} {policy}")
+        print(f"{args.experiment} {policy:13s} {rows[policy]}")
     return {
         "rows": rows,
-        "kernel": args.kernel,
         "baseline": baseline_series(args),
         **pick(args, "requests", "prompt_len", "gen_len", "budget"),
     }

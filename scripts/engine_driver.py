@@ -341,17 +341,10 @@ def alternate_eviction(path: str):
     selection_kernels) are this overlay's, unless numba's cache beside it
     (keyed by that file alone) still holds a build that inlined older ones;
     compare kernels whose helpers did not change, or clear that cache."""
-    import importlib.util
-
-    import vllm.config  # noqa: F401 (first: the overlay's modules import it)
+    this, other = load_beside(path)
     import vllm.vtoken.token_table as tt
-    from vllm.vtoken import eviction_kernels
 
-    spec = importlib.util.spec_from_file_location("baseline_eviction_kernels", path)
-    other = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = other
-    spec.loader.exec_module(other)
-    kernels, which = {"this": eviction_kernels, "baseline": other}, ["this"]
+    kernels, which = {"this": this, "baseline": other}, ["this"]
     tt._eviction_kernels = lambda: kernels[which[0]]
     evict = tt.TokenTablePool.evict_lowest
 
@@ -363,6 +356,28 @@ def alternate_eviction(path: str):
             EVICTION_CALLS.append([which[0], len(rows), time.perf_counter_ns() - t])
 
     tt.TokenTablePool.evict_lowest = timed
+    return taking_turns(which)
+
+
+def load_beside(path: str):
+    """(this overlay's kernel module, the other overlay's copy of it at
+    `path`, loaded beside it as baseline_<module>)."""
+    import importlib
+    import importlib.util
+
+    import vllm.config  # noqa: F401 (first: the overlay's modules import it)
+
+    stem = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"baseline_{stem}", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other
+    spec.loader.exec_module(other)
+    return importlib.import_module(f"vllm.vtoken.{stem}"), other
+
+
+def taking_turns(which: list[str]):
+    """turn(step): step `step` runs this overlay's kernel (even) or the
+    baseline's (odd), as which[0] says to the wrapper that reads it."""
 
     def turn(step: int) -> None:
         which[0] = ("this", "baseline")[step % 2]
@@ -385,17 +400,7 @@ def alternate_kernel(path: str, name: str):
     function itself would call this overlay's every step and none would be
     timed (the benchmark then fails). As with alternate_eviction, only that
     file is the other overlay's."""
-    import importlib
-    import importlib.util
-
-    import vllm.config  # noqa: F401 (first: the overlay's modules import it)
-
-    stem = os.path.splitext(os.path.basename(path))[0]
-    this = importlib.import_module(f"vllm.vtoken.{stem}")
-    spec = importlib.util.spec_from_file_location(f"baseline_{stem}", path)
-    other = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = other
-    spec.loader.exec_module(other)
+    this, other = load_beside(path)
     kernels = {"this": getattr(this, name), "baseline": getattr(other, name)}
     which = ["this"]
 
@@ -407,11 +412,7 @@ def alternate_kernel(path: str, name: str):
             KERNEL_CALLS.append([which[0], len(args[0]), time.perf_counter_ns() - t])
 
     setattr(this, name, timed)
-
-    def turn(step: int) -> None:
-        which[0] = ("this", "baseline")[step % 2]
-
-    return turn
+    return taking_turns(which)
 
 
 def time_hooks() -> None:
@@ -747,7 +748,9 @@ def run_steps(spec: dict) -> dict:
     if spec.get("time_hooks"):
         time_hooks()
     driver = Driver({**spec.get("engine", {}), **processors})
-    turns = [alternate_eviction(p) for p in [spec.get("alternate_eviction")] if p]
+    turns = []
+    if path := spec.get("alternate_eviction"):
+        turns.append(alternate_eviction(path))
     if alt := spec.get("alternate_kernel"):
         turns.append(alternate_kernel(alt["path"], alt["name"]))
     if turns:
