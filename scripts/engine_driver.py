@@ -434,15 +434,23 @@ def time_hooks() -> None:
     _wrap_hooks(wrap)
 
 
-def call_counter(into: dict[str, int]):
+def call_counter(into: dict[str, int], overlay_only: bool = False):
     """A function run(fn, *args, **kwargs) that calls fn and counts into
     `into` the Python and C calls it makes ("call", "c_call") and the lines
     of the overlay's code run ("line"): a loop that makes no call (a `for`
     setting attributes, a comprehension) shows in the lines only. Not
-    counted: fn's own call and the profiler's switching off."""
+    counted: fn's own call and the profiler's switching off. With
+    `overlay_only`, only the calls the overlay's own code makes (not those
+    inside vLLM's functions it calls: vLLM's own loops are vLLM's)."""
 
     def hook(frame, event, arg) -> None:
         if event in ("call", "c_call"):
+            # A Python call's frame is the callee's; a C call's, the caller's.
+            caller = frame.f_back if event == "call" else frame
+            if overlay_only and not (
+                caller is not None and "/vllm/vtoken/" in caller.f_code.co_filename
+            ):
+                return
             into[event] += 1
 
     def line(frame, event, arg):
@@ -462,8 +470,9 @@ def call_counter(into: dict[str, int]):
         finally:
             sys.setprofile(None)
             sys.settrace(None)
-            into["call"] -= 1  # fn itself
-            into["c_call"] -= 1  # setprofile(None)
+            if not overlay_only:  # (the overlay makes neither)
+                into["call"] -= 1  # fn itself
+                into["c_call"] -= 1  # setprofile(None)
 
     return run
 

@@ -100,6 +100,23 @@ def test_the_call_counter_counts_the_calls_a_function_makes():
         assert (into["call"], into["c_call"]) == (calls, c_calls), fn.__name__
 
 
+def test_the_call_counter_can_count_only_the_calls_the_overlay_makes():
+    # What vLLM's own functions do inside (a loop over blocks in
+    # evict_blocks) is not the overlay's: the overlay makes each call once.
+    import numpy as np
+
+    from vllm.vtoken.arena import indptr_of
+
+    def outside():
+        len([])  # C, not the overlay's
+        indptr_of(np.arange(3))  # len, zeros, asarray, cumsum: the overlay's
+
+    for overlay_only, calls, c_calls in ((True, 0, 4), (False, 1, 6)):
+        into = {"call": 0, "c_call": 0, "line": 0}
+        engine_driver.call_counter(into, overlay_only)(outside)
+        assert (into["call"], into["c_call"]) == (calls, c_calls), overlay_only
+
+
 def test_only_a_folder_holding_vllm_is_a_tree_to_load_it_from(tmp_path, monkeypatch):
     # A folder of plug-in packages first on PYTHONPATH (tests/plugin_site)
     # is no vLLM tree: the check refused every plug-in run (found by CI).

@@ -204,14 +204,17 @@ def test_an_evacuation_puts_each_fresh_block_where_its_own_source_was():
 def planned_and_acked_calls(n: int, caching: bool) -> tuple[tuple, tuple]:
     """The (Python and C calls, overlay lines) of one plan of n requests
     (each with a block's worth of holes in two blocks) and of its
-    acknowledgement (`counted`)."""
+    acknowledgement (`counted`). With caching, only the calls the overlay
+    makes, and blocks to spare for every request's evacuation (else some
+    plans evacuate and others do not): vLLM's evict_blocks and free_blocks
+    take a Python call per block of their own."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
     from vllm.vtoken.messages import VTokenWorkerOutput
 
-    kv, vt, a = setup("vtoken", caching=caching, blocks=4 * n + 8, budget=64)
+    kv, vt, a = setup("vtoken", caching=caching, blocks=5 * n + 8, budget=64)
     hasher = get_request_block_hasher(B, sha256) if caching else None
     vt._requests.clear()
     reqs = [
@@ -231,10 +234,13 @@ def planned_and_acked_calls(n: int, caching: bool) -> tuple[tuple, tuple]:
     vt.on_output(VTokenWorkerOutput())
     rids = [r.request_id for r in reqs]
     planned, batch = counted(
-        lambda: vt.reclaimer.plan(rids, vt._reqs, vt._requests, rids)
+        lambda: vt.reclaimer.plan(rids, vt._reqs, vt._requests, rids), caching
     )
+    fresh = vt.reclaimer._inflight[batch.batch_id].fresh_indptr[-1]
+    assert fresh == (n if caching else 0)  # each one evacuated, or none
     acked, _ = counted(
-        lambda: vt.on_output(VTokenWorkerOutput(acked_batches=[batch.batch_id]))
+        lambda: vt.on_output(VTokenWorkerOutput(acked_batches=[batch.batch_id])),
+        caching,
     )
     assert batch.req_ids == rids  # each request planned, its part acked
     vt.check_integrity()
@@ -242,10 +248,11 @@ def planned_and_acked_calls(n: int, caching: bool) -> tuple[tuple, tuple]:
     return planned, acked
 
 
-def counted(run) -> tuple[tuple[int, int], object]:
-    """((the Python and C calls `run()` makes, the lines of the overlay's
-    code it runs), what it returns): engine_driver.call_counter, which the
-    engine-level count (tests/e2e/test_step_cost.py) uses too."""
+def counted(run, overlay_only=False) -> tuple[tuple[int, int], object]:
+    """((the Python and C calls `run()` makes, or with `overlay_only` the
+    overlay's code makes, the lines of the overlay's code it runs), what it
+    returns): engine_driver.call_counter, which the engine-level count
+    (tests/e2e/test_step_cost.py) uses too."""
     import gc
 
     counts = {"call": 0, "c_call": 0, "line": 0}
@@ -255,26 +262,26 @@ def counted(run) -> tuple[tuple[int, int], object]:
     gc.collect()
     gc.disable()
     try:
-        out = engine_driver.call_counter(counts)(run)
+        out = engine_driver.call_counter(counts, overlay_only)(run)
     finally:
         gc.enable()
     return (counts["call"] + counts["c_call"], counts["line"]), out
 
 
+@pytest.mark.parametrize("caching", [False, True])
 def test_a_plan_and_its_ack_make_as_many_calls_for_16_requests_as_for_4(
-    monkeypatch,
+    monkeypatch, caching
 ):
     """Requests planned in one step are planned, bound and acknowledged in
     one batch pass: no call, nor line of the overlay, per request (DESIGN.md
-    §7.1). Without prefix
-    caching: a cached block's reference count and hash are read from vLLM's
-    object, a property call per cached head block a plan may take, by
-    design."""
+    §7.1). With prefix caching too: the reference count and hash of each
+    cached block a plan may take are read off vLLM's objects in C loops
+    (`block_hash` is a property, a Python frame a block through it)."""
     from vllm.vtoken import integrity
 
     monkeypatch.setattr(integrity, "CHECK", False)  # the deep checks loop
-    planned_and_acked_calls(4, caching=False)  # first calls: numba's loads
-    few, many = (planned_and_acked_calls(n, caching=False) for n in (4, 16))
+    planned_and_acked_calls(4, caching=caching)  # first calls: numba's loads
+    few, many = (planned_and_acked_calls(n, caching=caching) for n in (4, 16))
     assert few == many
 
 
@@ -311,15 +318,14 @@ def test_a_plan_reads_no_null_or_full_cached_block(monkeypatch):
         ids[0], null, ids[2], ids[3]
     ]  # fmt: skip
     read = []
-    hash_of = KVCacheBlock.block_hash
+    from vllm.vtoken import reclaimer
 
-    def counted_hash(block):
+    def counted_hash(block):  # the plan's getter (the property's field)
+        assert isinstance(block, KVCacheBlock)
         read.append(block.block_id)
-        return hash_of.fget(block)
+        return block.block_hash
 
-    monkeypatch.setattr(
-        KVCacheBlock, "block_hash", property(counted_hash, hash_of.fset)
-    )
+    monkeypatch.setattr(reclaimer, "_HASH", counted_hash)
     batch = vt.reclaimer.plan(["R"], vt._reqs, vt._requests, ["R"])
     assert batch is not None and batch.req_ids == ["R"]
     assert ids[2] in read and ids[3] in read  # the candidates are read

@@ -41,6 +41,7 @@ their hash and KV intact, hittable until the pool reuses them (docs/DESIGN.md
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -144,6 +145,7 @@ def _plan_of(req_index, src_indptr, src, dst_indptr, dst, num_fresh) -> BlockPla
     )
 
 
+@cache  # a generator's 18 frames a plan otherwise
 def _live_limit(block_size: int, threshold: float) -> int:
     """The threshold as a live count: l / B < threshold exactly when l < it."""
     return sum(n / block_size < threshold for n in range(block_size + 1))

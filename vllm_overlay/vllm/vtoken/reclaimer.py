@@ -47,6 +47,8 @@ from vllm.vtoken.request_state import RequestState
 
 _NEVER = 1 << 62  # a block count no request reaches
 _REF_CNT = attrgetter("ref_cnt")
+# KVCacheBlock.block_hash's field: the property is a Python frame per block.
+_HASH = attrgetter("_block_hash")
 _IS_ZERO = (0).__eq__
 _ID = attrgetter("block_id")
 _COMPUTED = attrgetter("num_computed_tokens")
@@ -389,7 +391,7 @@ class BlockReclaimer:
         self.counters.reclaimed_blocks -= num_fresh
         self._free(freed)
         if self._caching:  # a source a prefix-cache hit took meanwhile
-            held = [b.block_id for b in freed if b.ref_cnt > 0]
+            held = list(map(_ID, compress(freed, map(_REF_CNT, freed))))  # in C
             if held:
                 self.free_unheld(np.array(held, np.int64))
 
@@ -513,14 +515,11 @@ class BlockReclaimer:
         code = np.empty(head.size, np.int64)  # (np.full: a Python call)
         code.fill(2)
         read = (head != self._null_id) & (self.pool.block_live[head] < B)
-        code[read] = np.fromiter(
-            [
-                x.ref_cnt * 2 + (x.block_hash is not None)
-                for x in map(self.block_pool.blocks.__getitem__, head[read].tolist())
-            ],
-            np.int64,
-            int(np.add.reduce(read)),
-        )
+        # Two C loops over the block objects (a comprehension is a Python
+        # iteration per block, and `block_hash` a property: a frame each).
+        objs = list(map(self.block_pool.blocks.__getitem__, head[read].tolist()))
+        hashed = map(is_not, map(_HASH, objs), repeat(None))
+        code[read] = attrs(objs, _REF_CNT) * 2 + np.fromiter(hashed, bool, len(objs))
         if integrity.CHECK:  # past cached_upto: neither shared nor cached
             for rid, h, n in zip(
                 rids, num_heads.tolist(), counts.tolist(), strict=True
