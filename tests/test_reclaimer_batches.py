@@ -330,3 +330,56 @@ def test_a_plan_reads_no_null_or_full_cached_block(monkeypatch):
     assert batch is not None and batch.req_ids == ["R"]
     assert ids[2] in read and ids[3] in read  # the candidates are read
     assert ids[0] not in read and null not in read
+
+
+def slotted_calls(n: int) -> tuple[int, int]:
+    """The (calls, overlay lines) of the scheduler's end_step when each of
+    n requests' one new token opens a block: its block id is read off
+    vLLM's list (the scheduler's _sync_slots), the batch's at once."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+    from vllm.vtoken.messages import VTokenWorkerOutput
+
+    kv, vt, _ = setup("vtoken", blocks=5 * n + 8, budget=64)
+    vt._requests.clear()
+    reqs = [
+        Request(f"r{i}", list(range(100 * i, 100 * i + 3 * B)), SamplingParams(),
+                None)
+        for i in range(n)
+    ]  # fmt: skip
+    vt.begin_step([])
+    for r in reqs:
+        vt._requests[r.request_id] = r
+        assert kv.allocate_slots(r, 3 * B) is not None
+    vt.end_step(
+        SimpleNamespace(num_scheduled_tokens={r.request_id: 3 * B for r in reqs})
+    )
+    for r in reqs:
+        r.num_computed_tokens += 3 * B
+        r.append_output_token_ids(7)
+    vt.on_output(VTokenWorkerOutput())
+    vt.begin_step([])
+    for r in reqs:  # the fourth block: allocated by vLLM, read by vToken
+        assert kv.allocate_slots(r, 1) is not None
+    step = SimpleNamespace(num_scheduled_tokens={r.request_id: 1 for r in reqs})
+    out, _ = counted(lambda: vt.end_step(step))
+    vt.check_integrity()
+    assert (
+        vt.pool.num_slotted_rows(vt.pool.rows([r.request_id for r in reqs])).tolist()
+        == [3 * B + 1] * n
+    )
+    return out
+
+
+def test_a_step_opening_a_block_for_16_requests_makes_as_many_calls_as_for_4(
+    monkeypatch,
+):
+    """The new blocks' ids are read off vLLM's block lists in C loops: no
+    call, nor line of the overlay, per request (a comprehension was a line a
+    block, which the engine-level count's median step does not see: with
+    requests in step, one step in B opens blocks)."""
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", False)  # the deep checks loop
+    slotted_calls(4)  # first calls: numba's loads
+    assert slotted_calls(4) == slotted_calls(16)

@@ -19,8 +19,8 @@ Entries outside what a row uses hold the array's fill value.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
-from operator import itemgetter
+from itertools import chain, repeat
+from operator import getitem, itemgetter
 
 import numpy as np
 
@@ -98,6 +98,12 @@ def picked(items: Sequence, mask: np.ndarray) -> list:
     cache), and a step picks few (the rows due for the planner: a sixteenth
     at budget 32)."""
     return list(map(items.__getitem__, mask.nonzero()[0].tolist()))
+
+
+def spans_of(lists: Sequence[list], first: Sequence[int], end: Sequence[int]):
+    """An iterator over lists[k][first[k]:end[k]], one span after another:
+    the loops in C (a comprehension is a Python iteration per item)."""
+    return chain.from_iterable(map(getitem, lists, map(slice, first, end)))
 
 
 def values(table: dict, keys: Sequence) -> list:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, picked, segments, values
+from vllm.vtoken.arena import attrs, picked, segments, spans_of, values
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
@@ -408,9 +408,9 @@ class VTokenScheduler:
         ), "a scheduled request's computed tokens are not its slotted ones"
         ids = _NO_IDS
         if need.size:
-            at = zip(need.tolist(), first.tolist(), end.tolist(), strict=True)
-            ids = np.array(
-                [x.block_id for i, f, e in at for x in blocks[i][f:e]], np.int64
+            lists = map(blocks.__getitem__, need.tolist())
+            ids = np.fromiter(
+                map(_BLOCK_ID, spans_of(lists, first.tolist(), end.tolist())), np.int64
             )
         slots = pool.positional_slots(rows, take, ids)
         if integrity.CHECK:
@@ -466,9 +466,8 @@ class VTokenScheduler:
         first, last = start // B, (upto - 1) // B
         if not grow.all():
             blocks = list(compress(blocks, grow.tolist()))
-        spans = zip(blocks, first.tolist(), (last + 1).tolist(), strict=True)
-        ids = [x.block_id for b, f, e in spans for x in b[f:e]]
-        ids = np.asarray(ids, dtype=np.int64)
+        spans = spans_of(blocks, first.tolist(), (last + 1).tolist())
+        ids = np.fromiter(map(_BLOCK_ID, spans), np.int64)
         assert ids.size == (last - first + 1).sum(), "a block list is too short"
         counts = upto - start
         seg, k = segments(counts)
@@ -533,3 +532,4 @@ _NONE: frozenset[str] = frozenset()  # _sync_slots: none re-slots
 _PROMPT = attrgetter("num_prompt_tokens")
 _ALL_TOKENS = attrgetter("_all_token_ids")
 _REQ_ID = attrgetter("request_id")
+_BLOCK_ID = attrgetter("block_id")
