@@ -275,3 +275,34 @@ def test_the_two_sides_tables_are_compared_token_by_token():
     worker.apply_moves(["a"], np.array([0, 1]), np.array([3]), np.array([9]))
     with pytest.raises(AssertionError, match="reads live tokens from slots"):
         integrity.check_worker(sched, worker, ["a"])
+
+
+def test_a_step_with_a_batch_in_flight_makes_as_many_worker_calls_at_16_as_at_4(
+    monkeypatch,
+):
+    """begin_step gathers the requests of the move batches still copying (on
+    a GPU, the side stream's) in C loops: no call, nor line of the overlay,
+    per request (a set comprehension was a line a request). White-box: the
+    batch in flight is the worker's own record of it, as submitted."""
+    from tests.test_reclaimer_batches import counted
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", False)
+
+    def calls(n):
+        worker, _ = cpu_worker(num_blocks=4, block_size=16)
+        rids = [f"r{i}" for i in range(n)]
+        worker._pending[7] = SimpleNamespace(req_ids=rids)
+        so = SimpleNamespace(
+            finished_req_ids=set(),
+            preempted_req_ids=set(),
+            num_scheduled_tokens=dict.fromkeys(rids, 1),
+            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=[]),
+            vtoken=None,
+        )
+        out, _ = counted(lambda: worker.begin_step(so))
+        assert list(worker._pending) == [7]  # still copying: not waited for
+        return out
+
+    calls(4)
+    assert calls(4) == calls(16)

@@ -26,6 +26,7 @@ scheduler's, so with several workers nothing but those messages is shared.
 from __future__ import annotations
 
 from functools import partial
+from itertools import chain
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,7 @@ logger = init_logger(__name__)
 # per request (DESIGN.md §7.1).
 _NUM_PROMPT = attrgetter("num_prompt_tokens")
 _OUTPUTS = attrgetter("output_token_ids")
+_REQ_IDS = attrgetter("req_ids")
 
 
 def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
@@ -206,7 +208,8 @@ class VTokenWorker:
     def begin_step(self, so: SchedulerOutput) -> None:
         self._open = True
         pool = self.pool
-        pending_reqs = {r for b in self._pending.values() for r in b.req_ids}
+        # The batches still copying (GPU side stream): their requests, in C.
+        pending_reqs = set(chain.from_iterable(map(_REQ_IDS, self._pending.values())))
         resumed = so.scheduled_cached_reqs.resumed_req_ids
         if pending_reqs and (
             not pending_reqs <= so.num_scheduled_tokens.keys()
