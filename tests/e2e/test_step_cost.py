@@ -20,8 +20,8 @@ from tests.e2e.conftest import run_engine
 pytestmark = pytest.mark.e2e
 
 
-def counts_per_step(policy: str, n: int) -> tuple[float, float]:
-    """(calls, lines) a steady step of `policy` at n running requests."""
+def counts_per_step(policy: str, n: int) -> tuple[list, list]:
+    """(calls, lines) of each steady step of `policy` at n running requests."""
     spec = {
         "engine": {
             "kv_eviction_policy": policy,
@@ -41,8 +41,7 @@ def counts_per_step(policy: str, n: int) -> tuple[float, float]:
     assert len(steady) > 10 and run["counters"]["evicted_tokens"] > 0
     pairs = list(itertools.pairwise(steady))
     return tuple(
-        statistics.median(b[key] - a[key] for a, b in pairs)
-        for key in ("hook_calls", "hook_lines")
+        [b[key] - a[key] for a, b in pairs] for key in ("hook_calls", "hook_lines")
     )
 
 
@@ -53,5 +52,14 @@ def counts_per_step(policy: str, n: int) -> tuple[float, float]:
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "scissorhands", "random"])
 def test_the_hooks_make_as_many_calls_a_step_at_16_requests_as_at_4(engine_dir, policy):
     few, many = counts_per_step(policy, 4), counts_per_step(policy, 16)
-    assert min(few) > 0
-    assert many == few  # calls, lines
+    median = [tuple(statistics.median(x) for x in counts) for counts in (few, many)]
+    assert min(median[0]) > 0
+    assert median[1] == median[0]  # calls, lines
+    if policy == "random":
+        # One victim a request a step, drawn: both batches plan (a block's
+        # worth dead) and open blocks in the same steps, so every step is
+        # compared, not just the median one (a loop in a plan step, or in a
+        # step opening blocks, shows only there).
+        plans = [c for c in few[0] if c > 2 * median[0][0]]
+        assert plans, "no step planned compaction"
+        assert many == few
