@@ -241,3 +241,10 @@ def test_one_ranks_step_buffer_is_read_in_place(monkeypatch):
     acc.add(None, other)
     np.testing.assert_array_equal(acc.take_step(*one).gain, other.numpy())
     assert calls == [n]
+    # Replaced, then reduced again by an identity (the replacement itself):
+    # still the replacement that is read, not the step buffer under it.
+    acc.begin_step(n)
+    acc.add(None, mass)
+    acc.reduce_step(lambda buf, agg: buf + other)
+    acc.reduce_step(lambda buf, agg: buf)
+    np.testing.assert_array_equal(acc.take_step(*one).gain, (mass + other).numpy())

@@ -406,15 +406,18 @@ def test_as_index_takes_integers_only():
 
 def test_the_hooks_offsets_are_indptr_of_whatever_ints_they_get():
     # TokenTablePool.offsets, the hooks' compiled indptr_of: the same CSR
-    # offsets for the int64 arrays the hooks pass, and for the int32, strided
-    # and empty ones a plug-in's answer may bring (converted, not refused).
+    # offsets for the int64 arrays the hooks pass, and for the int32, strided,
+    # empty and read-only ones a plug-in's answer or a transported message
+    # may bring (converted or read, not refused).
     from vllm.vtoken.arena import indptr_of
     from vllm.vtoken.table_kernels import offsets_into
 
     pool = TokenTablePool(16, B)
     rng = np.random.default_rng(3)
     counts = rng.integers(0, 40, size=37).astype(np.int64)
-    for c in (counts, counts[::3], counts.astype(np.int32), counts[:0]):
+    frozen = counts.copy()
+    frozen.flags.writeable = False
+    for c in (counts, counts[::3], counts.astype(np.int32), counts[:0], frozen):
         got = pool.offsets(c)
         assert got.dtype == np.int64
         np.testing.assert_array_equal(got, indptr_of(c))

@@ -174,8 +174,9 @@ class ScoreAccumulator:
         ranks.py)."""
         self._zeroed()
         step = reduce(self._step, self.aggregate)
-        # One rank: the buffer itself, still read through its view.
-        self._reduced = step is not self._step
+        # One rank: the buffer itself, still read through its view (and once
+        # replaced, replaced for the step: a second reduce returns its own).
+        self._reduced = self._reduced or step is not self._step
         self._step = step
 
     def _zeroed(self) -> None:

@@ -65,7 +65,14 @@ def listed_live(r, start, n_live, n_listed, n_slotted, listed, live, out):
     return k
 
 
-@numba.njit(numba.void(_i64, _i64), **_jit)
+@numba.njit(
+    [
+        numba.void(_i64, _i64),
+        # A message's counts may be read-only (a transport's buffer).
+        numba.void(numba.types.Array(numba.int64, 1, "C", readonly=True), _i64),
+    ],
+    **_jit,
+)
 def offsets_into(counts, out):
     """out[0] = 0, out[i + 1] = counts[0] + ... + counts[i]: a CSR's offsets
     (TokenTablePool.offsets)."""
