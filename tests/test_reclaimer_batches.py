@@ -383,3 +383,91 @@ def test_a_step_opening_a_block_for_16_requests_makes_as_many_calls_as_for_4(
     monkeypatch.setattr(integrity, "CHECK", False)  # the deep checks loop
     slotted_calls(4)  # first calls: numba's loads
     assert slotted_calls(4) == slotted_calls(16)
+
+
+def admitted_calls(n: int):
+    """Per function, the calls and overlay lines of the scheduler's end_step
+    that first sees n new requests (12-token prompts): a Counter of
+    (kind, function) -> count, kind "call" (a Python function called: the
+    callee), "c_call" (a C function: keyed by its caller) or "line"."""
+    import collections
+    import gc
+    import sys
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    kv, vt, _ = setup("vtoken", blocks=5 * n + 8, budget=64)
+    vt._requests.clear()
+    reqs = [
+        Request(f"r{i}", list(range(100 * i, 100 * i + 3 * B)), SamplingParams(),
+                None)
+        for i in range(n)
+    ]  # fmt: skip
+    vt.begin_step([])
+    for r in reqs:
+        vt._requests[r.request_id] = r
+        assert kv.allocate_slots(r, 3 * B) is not None
+    step = SimpleNamespace(num_scheduled_tokens={r.request_id: 3 * B for r in reqs})
+    seen = collections.Counter()
+
+    def name(code):
+        return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_qualname}"
+
+    def hook(frame, event, arg):
+        if event == "call":
+            fn = name(frame.f_code)
+            if frame.f_code.co_name == "__init__":  # a dataclass's: by its class
+                fn = f"{type(frame.f_locals['self']).__qualname__}.__init__"
+            seen["call", fn] += 1
+        elif event == "c_call":
+            seen["c_call", name(frame.f_code)] += 1
+
+    def line(frame, event, arg):
+        if event == "line":
+            seen["line", name(frame.f_code)] += 1
+        return line
+
+    def trace(frame, event, arg):
+        return line if "/vllm/vtoken/" in frame.f_code.co_filename else None
+
+    gc.collect()
+    gc.disable()
+    sys.settrace(trace)
+    sys.setprofile(hook)
+    try:
+        vt.end_step(step)
+    finally:
+        sys.setprofile(None)
+        sys.settrace(None)
+        gc.enable()
+    vt.check_integrity()
+    return seen
+
+
+# What a new request costs in Python whatever the batch: its state, the key
+# its generator is seeded from (the prompt's bytes), and its seed (a hash).
+PER_REQUEST = {
+    "RequestState.__init__",
+    "seeding.py:prompt_key",
+    "seeding.py:request_seed",
+    "_Evicting.__init__",  # its call
+    "eviction.py:_Evicting.__init__",  # its lines
+}
+
+
+def test_a_step_admitting_16_requests_makes_no_more_calls_a_request_than_their_own(
+    monkeypatch,
+):
+    """The scheduler registers a step's new requests at once (their rows,
+    columns, policies and settings), so the only calls and overlay lines
+    that grow with the batch are each request's own identity (PER_REQUEST:
+    ~80 calls a request before, on the two sides, most per-request
+    settings and rows)."""
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", False)  # the deep checks loop
+    admitted_calls(4)  # first calls: numba's loads
+    few, many = admitted_calls(4), admitted_calls(16)
+    grown = {key for key in few.keys() | many.keys() if many[key] != few[key]}
+    assert grown and {fn for _, fn in grown} <= PER_REQUEST, sorted(grown)

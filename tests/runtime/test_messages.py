@@ -129,9 +129,10 @@ def test_a_workers_output_counts_its_own_end_step_time():
 
 def test_the_workers_tables_keep_dead_listed_by_the_requests_own_policy():
     """`VTokenWorker._add` makes each table as the scheduler makes its own
-    (EvictionRuntime.register, tests/runtime/test_eviction.py): a Random row
-    takes its victims out of its live list at once, the engine's policy's
-    and an opted-out request's keep them listed a while."""
+    (EvictionRuntime.register_many, tests/runtime/test_eviction.py), the
+    step's new requests at once: a Random row takes its victims out of its
+    live list at once, the engine's policy's and an opted-out request's keep
+    them listed a while."""
     worker, _ = cpu_worker(num_blocks=4, block_size=16)
     args = {
         "engine": None,
@@ -142,8 +143,7 @@ def test_the_workers_tables_keep_dead_listed_by_the_requests_own_policy():
         rid: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))
         for rid, extra in args.items()
     }
-    for rid in args:
-        worker._add(rid, requests)
+    worker._add(list(args), requests)
     keep = worker.pool._a.cols["keep_dead"][worker.pool.rows(list(args))]
     assert keep.tolist() == [1, 0, 1]
 
@@ -306,3 +306,78 @@ def test_a_step_with_a_batch_in_flight_makes_as_many_worker_calls_at_16_as_at_4(
 
     calls(4)
     assert calls(4) == calls(16)
+
+
+def test_the_step_s_prefix_cache_hits_are_slotted_from_each_block_table():
+    """VTokenWorker._with_hits lists each request's hit tokens [start,
+    start + hits) at its block table's slots, before its new ones, the
+    step's requests with hits at once: as a request at a time would (hits
+    starting mid-block and spanning blocks, requests without, a last one)."""
+    import vllm.config  # noqa: F401  (before vtoken.config, which it imports)
+    from vllm.vtoken.worker import VTokenWorker
+
+    B = 4
+    rng = np.random.default_rng(5)
+    rids = ["a", "b", "c", "d", "e"]
+    tables = {r: rng.permutation(64)[:8].tolist() for r in rids}
+    requests = {r: SimpleNamespace(block_ids=(tables[r], [])) for r in rids}
+    start = np.array([0, 3, 0, 5, 8])
+    hits = np.array([9, 0, 4, 6, 1])
+    counts = np.array([2, 1, 3, 1, 1])
+    new = np.arange(1000, 1000 + counts.sum())
+    got = VTokenWorker._with_hits(
+        SimpleNamespace(block_size=B), rids, requests, counts, new, start, hits
+    )
+    want, k = [], 0
+    for r, s, h, c in zip(rids, start, hits, counts, strict=True):
+        want += [tables[r][p // B] * B + p % B for p in range(s, s + h)]
+        want += new[k : k + c].tolist()
+        k += c
+    assert got.tolist() == want
+
+
+def test_prefix_cache_hits_of_16_requests_make_as_many_worker_calls_as_4():
+    """_with_hits reads the hit requests' block tables in C loops: no call,
+    nor line of the overlay, per request (a request with hits, on its first
+    step, cost half a dozen NumPy calls)."""
+    import vllm.config  # noqa: F401  (before vtoken.config, which it imports)
+    from tests.test_reclaimer_batches import counted
+    from vllm.vtoken.worker import VTokenWorker
+
+    def calls(n):
+        rids = [f"r{i}" for i in range(n)]
+        requests = {r: SimpleNamespace(block_ids=(list(range(8)), [])) for r in rids}
+        start, hits, counts = (np.full(n, v) for v in (2, 9, 1))
+        new = np.arange(n)
+        out, _ = counted(
+            lambda: VTokenWorker._with_hits(
+                SimpleNamespace(block_size=4), rids, requests, counts, new, start, hits
+            )
+        )
+        return out
+
+    calls(4)
+    assert calls(4) == calls(16)
+
+
+def test_a_worker_admits_16_requests_with_as_many_calls_as_4(monkeypatch):
+    """The worker's first sight of a step's new requests (their tables,
+    whether they read scores) is one pass: no call, nor line of the
+    overlay, per request (their settings are read once a distinct one: a
+    request's own keys, test_the_workers_tables_keep_dead_listed_by_...)."""
+    from tests.test_reclaimer_batches import counted
+    from vllm.sampling_params import SamplingParams
+    from vllm.vtoken import integrity
+
+    monkeypatch.setattr(integrity, "CHECK", False)
+
+    def admitted(n):
+        worker, _ = cpu_worker(num_blocks=4, block_size=16)
+        rids = [f"r{i}" for i in range(n)]
+        requests = {r: SimpleNamespace(sampling_params=SamplingParams()) for r in rids}
+        out, (rows, scored) = counted(lambda: worker._rows_of(rids, requests))
+        assert sorted(rows.tolist()) == list(range(n)) and not scored.any()
+        return out
+
+    admitted(4)
+    assert admitted(4) == admitted(16)

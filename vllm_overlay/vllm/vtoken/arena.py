@@ -140,24 +140,37 @@ class RowArena:
         self._top = 0  # first arena entry no region has used
 
     def add(self, key: str) -> int:
-        assert key not in self.index, f"{key!r} already has a row"
-        if not self._free:
-            n = self.start.size
-            grow = max(16, n)
+        """A row for `key` (zeroed columns, no region yet)."""
+        return int(self.add_many([key])[0])
+
+    def add_many(self, keys: Sequence[str]) -> np.ndarray:
+        """int64: rows for distinct `keys` without one, at once (a step's
+        admissions: an assignment a column for all of them)."""
+        n = len(keys)
+        if not n:
+            return np.zeros(0, np.int64)
+        assert len(set(keys)) == n, "a key twice"
+        assert self.index.keys().isdisjoint(keys), "a key already has a row"
+        while len(self._free) < n:  # doubled, as often as it takes
+            size = self.start.size
+            grow = max(16, size)
             self.start, self.cap = (
-                np.r_[self.start, [0] * grow],
-                np.r_[self.cap, [0] * grow],
+                np.r_[self.start, np.zeros(grow, np.int64)],
+                np.r_[self.cap, np.zeros(grow, np.int64)],
             )
             for name, col in self.cols.items():
                 self.cols[name] = np.r_[col, np.zeros(grow, np.int64)]
-            self._free = list(range(n + grow - 1, n - 1, -1))
-        row = self._free.pop()
-        self.index[key] = row
+            # Popped from the end: the new rows are taken lowest first.
+            self._free[:0] = range(size + grow - 1, size - 1, -1)
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        rows = np.array(taken[::-1], np.int64)
+        self.index.update(zip(keys, rows.tolist(), strict=True))
         self.generation += 1
-        self.start[row] = self.cap[row] = 0
+        self.start[rows] = self.cap[rows] = 0
         for col in self.cols.values():
-            col[row] = 0
-        return row
+            col[rows] = 0
+        return rows
 
     def remove(self, key: str) -> None:
         """Drops a row; its region is cleared to the fill values."""
@@ -189,16 +202,20 @@ class RowArena:
         get = self.index.get
         return np.fromiter(map(get, keys, repeat(-1)), np.int64, len(keys))
 
-    def rows_adding(self, keys: Sequence[str], add: Callable[[int], None]):
-        """int64 [R]: the rows of `keys`, after `add(i)` for each keys[i]
-        without one (it must give it one). The hooks' first sight of a
-        request: found from the lookup they make anyway, not a set
-        difference over the batch."""
+    def rows_adding(
+        self,
+        keys: Sequence[str],
+        add_many: Callable[[list[str]], object] | None = None,
+    ) -> np.ndarray:
+        """int64 [R]: the rows of `keys`, after `add_many(new)` for the keys
+        without one (it must give each a row; default: `self.add_many`). The
+        hooks' first sight of requests, the step's at once: found from the
+        lookup they make anyway, not a set difference over the batch."""
         get = self.index.get  # rows_or_missing's, one call less a step
         rows = np.fromiter(map(get, keys, repeat(-1)), np.int64, len(keys))
         if rows.size and rows.min() < 0:
-            for i in (rows < 0).nonzero()[0].tolist():
-                add(i)
+            new = list(map(keys.__getitem__, (rows < 0).nonzero()[0].tolist()))
+            (add_many or self.add_many)(new)
             rows = self.rows(keys)
         return rows
 

@@ -11,7 +11,8 @@ request has its own generator (seeding.py): results do not depend on batch order
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import compress
+from itertools import compress, repeat
+from operator import attrgetter, is_
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -152,23 +153,58 @@ class EvictionRuntime:
     ) -> None:
         """A request's table, generator, policy and budget (see
         `sync_new_tokens` for the arguments)."""
-        key = req_id.encode() if rng_key is None else rng_key
-        r = self._reqs[req_id] = self._register(evict, key)
+        self.register_many([req_id], [rng_key], [evict])
+
+    def register_many(
+        self,
+        req_ids: list[str],
+        rng_keys: Sequence[bytes | None],
+        evicts: Sequence[RequestEviction | None],
+    ) -> None:
+        """`register` of distinct requests at once (a step's admissions): a
+        call a request for its seed (`_Evicting`), the rest once for all: a
+        policy a setting (the step's requests share a few)."""
+        if not req_ids:
+            return
+        keys = rng_keys  # the prompt's (the scheduler's), else the id
+        if None in keys:
+            keys = [
+                k if k is not None else r.encode()
+                for r, k in zip(req_ids, keys, strict=True)
+            ]
+        setting = list(map(id, evicts))
+        distinct = dict(zip(setting, evicts, strict=True))
+        of = {i: self._policy_of(e) for i, e in distinct.items()}
+        policy, budget = zip(*map(of.__getitem__, setting), strict=True)
+        recs = list(map(_Evicting, policy, budget, repeat(self.seed), keys))
+        self._reqs.update(zip(req_ids, recs, strict=True))
+        # The policies in use, by identity (a plug-in may define __eq__):
+        # few, whatever the batch.
+        policies = list(map(_POLICY, recs))
+        ids = list(map(id, policies))
+        first = dict(zip(ids, policies, strict=True))
+        for p in first.values():
+            if not any(q is p for q in self._by_index):
+                self._by_index.append(p)
+                self._syncing |= p is not None and _syncs(p)
+        pix = {id(p): i for i, p in enumerate(self._by_index)}
         # By the policy's class, as the worker's table (VTokenWorker._add).
-        policy = type(r.policy) if r.policy is not None else None
-        self.pool.add_request(req_id, keep_dead=keeps_dead_listed(policy))
-        known = [i for i, p in enumerate(self._by_index) if p is r.policy]
-        if not known:  # by identity: a plug-in may define __eq__
-            self._by_index.append(r.policy)
-            self._syncing |= r.policy is not None and _syncs(r.policy)
-        row, cols = int(self.pool.rows([req_id])[0]), self._by_row
-        if row >= cols["budget"].size:  # the pool's rows grew
+        keep = {i: keeps_dead_listed(type(p) if p is not None else None)
+                for i, p in first.items()}  # fmt: skip
+        self.pool.add_requests(
+            req_ids, np.fromiter(map(keep.__getitem__, ids), bool, len(ids))
+        )
+        rows, cols = self.pool.rows(req_ids), self._by_row
+        size = cols["budget"].size
+        if rows.max(initial=-1) >= size:  # the pool's rows grew
+            grow = max(16, size, int(rows.max()) + 1 - size)
             for name, col in cols.items():
-                cols[name] = np.r_[col, np.zeros(max(16, col.size), np.int64)]
-        evicts = r.policy is not None
-        cols["budget"][row] = r.budget if evicts else np.iinfo(np.int64).max
-        cols["pix"][row] = known[0] if known else len(self._by_index) - 1
-        cols["seed"][row] = r.seed
+                cols[name] = np.r_[col, np.zeros(grow, np.int64)]
+        budget = np.fromiter(map(_BUDGET, recs), np.int64, len(recs))
+        budget[np.fromiter(map(is_, policies, repeat(None)), bool, len(recs))] = _NEVER
+        cols["budget"][rows] = budget
+        cols["pix"][rows] = np.fromiter(map(pix.__getitem__, ids), np.int64, len(ids))
+        cols["seed"][rows] = np.fromiter(map(_SEED, recs), np.int64, len(recs))
 
     def sync_rows(
         self, req_ids: list[str], counts: np.ndarray, slots, rows=None
@@ -381,7 +417,10 @@ class EvictionRuntime:
         if r.policy is not None:
             r.policy.release(req_id)
 
-    def _register(self, evict: RequestEviction | None, key: bytes) -> _Evicting:
+    def _policy_of(
+        self, evict: RequestEviction | None
+    ) -> tuple[EvictionPolicy | None, int]:
+        """(policy, budget) a request's settings give it ((None, 0): none)."""
         if evict is None:
             name, budget = self.policy.name, self.budget
         elif evict.evicts:
@@ -389,7 +428,7 @@ class EvictionRuntime:
         else:
             name, budget = None, None
         if name is None or budget is None:
-            return _Evicting(None, 0, self.seed, key)
+            return None, 0
         policy = self._policies.get((name, budget))
         if policy is None:
             # The engine's knobs configure the engine's policy; another policy a
@@ -397,7 +436,7 @@ class EvictionRuntime:
             knobs = self.policy.knobs if name == self.policy.name else None
             policy = create_policy(name, budget, knobs)
             self._policies[(name, budget)] = policy
-        return _Evicting(policy, budget, self.seed, key)
+        return policy, budget
 
     def _view(
         self, req_id: str, num_attended: int, scores: np.ndarray | None
@@ -426,6 +465,12 @@ class _Generators(Sequence):
         if isinstance(r, slice):
             return [self._reqs[i].rng for i in self._ids[r]]
         return self._reqs[self._ids[r]].rng
+
+
+_POLICY = attrgetter("policy")
+_NEVER = np.iinfo(np.int64).max  # a budget no request reaches (no policy)
+_BUDGET = attrgetter("budget")
+_SEED = attrgetter("seed")
 
 
 def _syncs(policy: EvictionPolicy) -> bool:

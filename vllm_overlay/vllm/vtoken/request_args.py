@@ -25,7 +25,9 @@ for others is refused (`SessionEviction`, patch 0095).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
@@ -86,10 +88,7 @@ def request_eviction(
         for k, v in (extra_args or {}).items()
         if isinstance(k, str) and k.startswith("kv_") and k not in NOT_OURS
     }
-    engine = RequestEviction(
-        cfg.kv_eviction_policy if cfg.kv_budget_tokens is not None else OPT_OUT,
-        cfg.kv_budget_tokens,
-    )
+    engine = _engine_eviction(cfg)
     if not args:
         return engine
     unknown = sorted(set(args) - set(KEYS))
@@ -128,6 +127,30 @@ def request_eviction(
             f"{BUDGET_KEY}={budget}: {err}", parameter=BUDGET_KEY
         ) from None
     return RequestEviction(policy, budget)
+
+
+def request_evictions(
+    params: Sequence[Any], cfg: VTokenConfig
+) -> list[RequestEviction]:
+    """`request_eviction` of each of a step's new requests (their
+    `SamplingParams`, None for a request without), as the hooks read them:
+    the engine's settings, one object, for every request without
+    `extra_args` (the usual step: no Python call a request)."""
+    extra = list(map(getattr, params, repeat("extra_args"), repeat(None)))
+    engine = _engine_eviction(cfg)
+    if not any(extra):
+        return [engine] * len(extra)
+    return [
+        request_eviction(x, cfg, max_model_len=None) if x else engine for x in extra
+    ]
+
+
+def _engine_eviction(cfg: VTokenConfig) -> RequestEviction:
+    """What a request setting no key of its own gets: the engine's flags."""
+    return RequestEviction(
+        cfg.kv_eviction_policy if cfg.kv_budget_tokens is not None else OPT_OUT,
+        cfg.kv_budget_tokens,
+    )
 
 
 def _check_budget(budget: Any, max_model_len: int | None) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from itertools import chain, compress, repeat
+from itertools import chain, compress, repeat, starmap
 from operator import attrgetter, eq
 from typing import TYPE_CHECKING
 
@@ -41,7 +41,7 @@ from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.reclaimer import BlockReclaimer
-from vllm.vtoken.request_args import request_eviction
+from vllm.vtoken.request_args import request_evictions
 from vllm.vtoken.request_state import RequestState
 from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.seeding import prompt_key
@@ -376,7 +376,9 @@ class VTokenScheduler:
         """_sync_slots's: the requests, their rows (a new one registered) and
         block lists (vLLM's, appended to in place; a resume makes a new one)."""
         reqs = values(self._requests, rids)
-        rows = self.pool.rows_adding(rids, lambda i: self._register(reqs[i]))
+        rows = self.pool.rows_adding(
+            rids, lambda new: self._register(values(self._requests, new))
+        )
         return reqs, rows, values(self.reclaimer.req_to_blocks, rids)
 
     def _sync_slots(self, scheduled: dict[str, int]) -> frozenset[str]:
@@ -395,7 +397,7 @@ class VTokenScheduler:
         if resumed:  # re-slots dead tokens too: rare, the general path
             return self._sync_slots_general(rids, reqs, rows, blocks, counts)
         if fresh.size:  # new: their prefix-cache hits are computed, not slotted
-            hits = attrs([reqs[i] for i in fresh.tolist()], _COMPUTED)
+            hits = attrs(list(map(reqs.__getitem__, fresh.tolist())), _COMPUTED)
             if hits.any():
                 take = counts.copy()
                 take[fresh] += hits
@@ -441,7 +443,7 @@ class VTokenScheduler:
         upto = start.copy()
         fresh = (start == 0).nonzero()[0]
         if fresh.size:
-            upto[fresh] = attrs([reqs[i] for i in fresh.tolist()], _COMPUTED)
+            upto[fresh] = attrs(list(map(reqs.__getitem__, fresh.tolist())), _COMPUTED)
         assert not integrity.CHECK or (upto == attrs(reqs, _COMPUTED)).all(), (
             "a scheduled request's computed tokens are not its slotted ones"
         )
@@ -478,16 +480,16 @@ class VTokenScheduler:
         self.reclaimer.blocks.record(rows, first, last + 1, ids)
         return reslotting
 
-    def _register(self, req: Request) -> None:
-        rid = req.request_id
-        self._reqs[rid] = RequestState()
-        self._caching.add(rid)
-        evict = request_eviction(
-            req.sampling_params.extra_args if req.sampling_params else None,
-            self.cfg,
-            max_model_len=None,  # the front end checked it (check_request_args)
-        )
-        self.runtime.register(rid, prompt_key(req), evict)
+    def _register(self, reqs: list[Request]) -> None:
+        """First sight of the step's new requests, at once: a state, a
+        generator's key (the prompt's) and a policy each. Their own keys
+        were checked by the front end (check_request_args)."""
+        rids = list(map(_REQ_ID, reqs))
+        states = starmap(RequestState, repeat((), len(rids)))
+        self._reqs.update(zip(rids, states, strict=True))
+        self._caching.update(rids)
+        evicts = request_evictions(list(map(_SAMPLING, reqs)), self.cfg)
+        self.runtime.register_many(rids, list(map(prompt_key, reqs)), evicts)
 
     def _recompute_dead(self, rid: str, start: int, upto: int) -> None:
         # Resumed after preemption: dead tokens in [start, upto) get
@@ -532,4 +534,5 @@ _NONE: frozenset[str] = frozenset()  # _sync_slots: none re-slots
 _PROMPT = attrgetter("num_prompt_tokens")
 _ALL_TOKENS = attrgetter("_all_token_ids")
 _REQ_ID = attrgetter("request_id")
+_SAMPLING = attrgetter("sampling_params")
 _BLOCK_ID = attrgetter("block_id")

@@ -248,7 +248,7 @@ class ScoreAccumulator:
             return
         acc = self._acc
         (rows,) = self._folded.get(  # first sight: a row
-            ids, lambda ids: (acc.rows_adding(ids, lambda i: acc.add(ids[i])),)
+            ids, lambda ids: (acc.rows_adding(ids),)
         )
         # Added, or with a window a moving average (not a count); a region
         # grows (rarely: it doubles) before the fold that needs it.

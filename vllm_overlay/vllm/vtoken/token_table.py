@@ -128,8 +128,13 @@ class TokenTablePool:
         as many as the live (table_kernels.kill_rows; which rows:
         EvictionPolicy.scatters_victims)."""
         assert req_id not in self._row, f"{req_id!r} already has a token table"
-        self._a.add(req_id)
-        self._a.cols["keep_dead"][self._row[req_id]] = keep_dead
+        self.add_requests([req_id], np.array([keep_dead]))
+
+    def add_requests(self, req_ids: Sequence[str], keep_dead: np.ndarray) -> None:
+        """`add_request` of distinct requests at once (a step's admissions),
+        keep_dead[i] req_ids[i]'s."""
+        rows = self._a.add_many(req_ids)
+        self._a.cols["keep_dead"][rows] = keep_dead
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._row
@@ -197,9 +202,10 @@ class TokenTablePool:
         """A `BatchMemo` valid while no table is added or released."""
         return BatchMemo(self._a)
 
-    def rows_adding(self, req_ids: Sequence[str], add) -> np.ndarray:
-        """`RowArena.rows_adding`: `add(i)` registers req_ids[i] first."""
-        return self._a.rows_adding(req_ids, add)
+    def rows_adding(self, req_ids: Sequence[str], add_many) -> np.ndarray:
+        """`RowArena.rows_adding`: `add_many(new)` registers the requests of
+        `req_ids` without a table first (`add_requests`), the step's at once."""
+        return self._a.rows_adding(req_ids, add_many)
 
     def append_rows(self, rows: np.ndarray, counts: np.ndarray, slots) -> None:
         """`append` for distinct rows at once: row i gets the next counts[i]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from functools import partial
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,7 +35,15 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, block_shift, lookup, ranges, values
+from vllm.vtoken.arena import (
+    attrs,
+    block_shift,
+    indptr_of,
+    lookup,
+    ranges,
+    spans_of,
+    values,
+)
 from vllm.vtoken.config import _ATTENTION_OP, UNBOUNDED_BUDGET
 from vllm.vtoken.context import TokenRead, set_token_read
 from vllm.vtoken.copy_executor import KVCopyExecutor
@@ -43,7 +51,7 @@ from vllm.vtoken.cpu_attention import cpu_read_plan
 from vllm.vtoken.messages import MoveBatch, ScoreStep, VTokenWorkerOutput, owned
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.ranks import Acks, RankGroups
-from vllm.vtoken.request_args import RequestEviction, request_eviction
+from vllm.vtoken.request_args import request_evictions
 from vllm.vtoken.scores import ScoreAccumulator, window_rows
 from vllm.vtoken.staging import HostToDevice
 from vllm.vtoken.stats import VTokenCounters, timed
@@ -65,6 +73,9 @@ logger = init_logger(__name__)
 _NUM_PROMPT = attrgetter("num_prompt_tokens")
 _OUTPUTS = attrgetter("output_token_ids")
 _REQ_IDS = attrgetter("req_ids")
+_SAMPLING = attrgetter("sampling_params")
+_BLOCK_IDS = attrgetter("block_ids")
+_FIRST_GROUP = itemgetter(0)
 
 
 def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
@@ -363,37 +374,48 @@ class VTokenWorker:
     def _rows_of(self, rids: list[str], requests) -> tuple:
         """The batch's rows (a new request gets one) and whether each reads
         scores: read again only when the batch changes (`BatchMemo`)."""
-        rows = self.pool.rows_adding(rids, lambda i: self._add(rids[i], requests))
+        rows = self.pool.rows_adding(rids, lambda new: self._add(new, requests))
         return rows, lookup(self._scored, rids, bool)
 
-    def _add(self, rid: str, requests: dict[str, CachedRequestState]) -> None:
-        # First sight: a Token Table (kept as the scheduler keeps the
-        # request's: EvictionRuntime.register), whether its policy reads scores.
-        evict = self._eviction_of(requests[rid])
-        self.pool.add_request(rid, keep_dead=evict.keeps_dead_listed)
-        self._scored[rid] = self.scores is not None and evict.score_mode is not None
+    def _add(self, rids: list[str], requests: dict[str, CachedRequestState]) -> None:
+        # First sight of the step's new requests, at once: a Token Table each
+        # (kept as the scheduler keeps theirs: EvictionRuntime.register_many),
+        # and whether its policy reads scores; read once a setting.
+        evicts = request_evictions(
+            list(map(_SAMPLING, values(requests, rids))), self.cfg
+        )
+        ids = list(map(id, evicts))
+        seen = dict(zip(ids, evicts, strict=True))  # few, whatever the batch
+        keep = {i: e.keeps_dead_listed for i, e in seen.items()}
+        scores = self.scores is not None
+        scored = {i: scores and e.score_mode is not None for i, e in seen.items()}
+        self.pool.add_requests(
+            rids, np.fromiter(map(keep.__getitem__, ids), bool, len(ids))
+        )
+        self._scored.update(zip(rids, map(scored.__getitem__, ids), strict=True))
 
     def _with_hits(self, rids, requests, counts, new, start, hits) -> np.ndarray:
         """The step's slots with each request's prefix-cache hits (tokens
         [start, num_computed), from its block table) before its new tokens.
-        Runs on a request's first step only (or its resume)."""
+        Runs on a request's first step only (or its resume): the step's
+        such requests at once (a system prompt shared: each new one hits)."""
         B, total = self.block_size, hits + counts
         out = np.empty(int(total.sum()), dtype=np.int64)
         first = np.cumsum(total) - total
         out[ranges(first + hits, counts)] = new
-        for i in np.flatnonzero(hits):
-            ids = np.asarray(requests[rids[i]].block_ids[0], dtype=np.int64)
-            pos = np.arange(start[i], start[i] + hits[i], dtype=np.int64)
-            out[first[i] : first[i] + hits[i]] = ids[pos // B] * B + pos % B
+        hit = np.flatnonzero(hits)
+        if hit.size:
+            lo, n = start[hit], hits[hit]
+            b0, b1 = lo // B, (lo + n - 1) // B + 1  # each one's blocks [b0, b1)
+            states = values(requests, list(map(rids.__getitem__, hit.tolist())))
+            lists = map(_FIRST_GROUP, map(_BLOCK_IDS, states))  # group 0's ids
+            ids = np.fromiter(spans_of(lists, b0.tolist(), b1.tolist()), np.int64)
+            assert ids.size == int((b1 - b0).sum()), "a block table is too short"
+            pos = ranges(lo, n)  # the hit tokens, request after request
+            seg = np.repeat(np.arange(hit.size), n)
+            at = (indptr_of(b1 - b0)[:-1] - b0)[seg] + pos // B  # into `ids`
+            out[ranges(first[hit], n)] = ids[at] * B + pos % B
         return out
-
-    def _eviction_of(self, req: CachedRequestState) -> RequestEviction:
-        params = req.sampling_params
-        return request_eviction(
-            params.extra_args if params is not None else None,
-            self.cfg,
-            max_model_len=None,  # the front end checked it (check_request_args)
-        )
 
     def end_stage(self) -> None:
         """PP, a rank before the last: its step ends when it has sent its

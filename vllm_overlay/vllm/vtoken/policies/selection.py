@@ -75,7 +75,7 @@ class ArrivalSteps:
             num_new = num_new[num_new > 0]
         a = self._a
         (rows,) = self._added.get(  # first sight: a row
-            ids, lambda ids: (a.rows_adding(ids, lambda i: a.add(ids[i])),)
+            ids, lambda ids: (a.rows_adding(ids),)
         )
 
         def run():  # one compiled pass (a region too small: nothing changed)
