@@ -201,6 +201,31 @@ def test_an_evacuation_puts_each_fresh_block_where_its_own_source_was():
     assert vt.reclaimer.blocks.find("C", [fresh_c, ids["C"][1]]) == [1]
 
 
+def new_requests(n: int, caching: bool = False):
+    """n requests of 12-token prompts (three blocks each), allocated by vLLM
+    and not yet seen by vToken (budget 64: nothing evicted), with blocks to
+    spare: (kv, vt, the requests, the step that first schedules them)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    kv, vt, _ = setup("vtoken", caching=caching, blocks=5 * n + 8, budget=64)
+    hasher = get_request_block_hasher(B, sha256) if caching else None
+    vt._requests.clear()
+    reqs = [
+        Request(f"r{i}", list(range(100 * i, 100 * i + 3 * B)), SamplingParams(),
+                None, block_hasher=hasher)
+        for i in range(n)
+    ]  # fmt: skip
+    vt.begin_step([])
+    for r in reqs:
+        vt._requests[r.request_id] = r
+        assert kv.allocate_slots(r, 3 * B) is not None
+    first = SimpleNamespace(num_scheduled_tokens={r.request_id: 3 * B for r in reqs})
+    return kv, vt, reqs, first
+
+
 def planned_and_acked_calls(n: int, caching: bool) -> tuple[tuple, tuple]:
     """The (Python and C calls, overlay lines) of one plan of n requests
     (each with a block's worth of holes in two blocks) and of its
@@ -208,27 +233,12 @@ def planned_and_acked_calls(n: int, caching: bool) -> tuple[tuple, tuple]:
     makes, and blocks to spare for every request's evacuation (else some
     plans evacuate and others do not): vLLM's evict_blocks and free_blocks
     take a Python call per block of their own."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request
     from vllm.vtoken.messages import VTokenWorkerOutput
 
-    kv, vt, a = setup("vtoken", caching=caching, blocks=5 * n + 8, budget=64)
-    hasher = get_request_block_hasher(B, sha256) if caching else None
-    vt._requests.clear()
-    reqs = [
-        Request(f"r{i}", list(range(100 * i, 100 * i + 12)), SamplingParams(),
-                None, block_hasher=hasher)
-        for i in range(n)
-    ]  # fmt: skip
-    vt.begin_step([])
+    kv, vt, reqs, first = new_requests(n, caching)
+    vt.end_step(first)
     for r in reqs:
-        vt._requests[r.request_id] = r
-        assert kv.allocate_slots(r, 12) is not None
-    vt.end_step(SimpleNamespace(num_scheduled_tokens={r.request_id: 12 for r in reqs}))
-    for r in reqs:
-        r.num_computed_tokens += 12
+        r.num_computed_tokens += 3 * B
         r.append_output_token_ids(7)
         vt.pool.evict(r.request_id, np.arange(1, 7))  # holes in b0 and b1
     vt.on_output(VTokenWorkerOutput())
@@ -336,24 +346,10 @@ def slotted_calls(n: int) -> tuple[int, int]:
     """The (calls, overlay lines) of the scheduler's end_step when each of
     n requests' one new token opens a block: its block id is read off
     vLLM's list (the scheduler's _sync_slots), the batch's at once."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
     from vllm.vtoken.messages import VTokenWorkerOutput
 
-    kv, vt, _ = setup("vtoken", blocks=5 * n + 8, budget=64)
-    vt._requests.clear()
-    reqs = [
-        Request(f"r{i}", list(range(100 * i, 100 * i + 3 * B)), SamplingParams(),
-                None)
-        for i in range(n)
-    ]  # fmt: skip
-    vt.begin_step([])
-    for r in reqs:
-        vt._requests[r.request_id] = r
-        assert kv.allocate_slots(r, 3 * B) is not None
-    vt.end_step(
-        SimpleNamespace(num_scheduled_tokens={r.request_id: 3 * B for r in reqs})
-    )
+    kv, vt, reqs, first = new_requests(n)
+    vt.end_step(first)
     for r in reqs:
         r.num_computed_tokens += 3 * B
         r.append_output_token_ids(7)
@@ -394,21 +390,7 @@ def admitted_calls(n: int):
     import gc
     import sys
 
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    kv, vt, _ = setup("vtoken", blocks=5 * n + 8, budget=64)
-    vt._requests.clear()
-    reqs = [
-        Request(f"r{i}", list(range(100 * i, 100 * i + 3 * B)), SamplingParams(),
-                None)
-        for i in range(n)
-    ]  # fmt: skip
-    vt.begin_step([])
-    for r in reqs:
-        vt._requests[r.request_id] = r
-        assert kv.allocate_slots(r, 3 * B) is not None
-    step = SimpleNamespace(num_scheduled_tokens={r.request_id: 3 * B for r in reqs})
+    _, vt, _, step = new_requests(n)
     seen = collections.Counter()
 
     def name(code):
