@@ -106,6 +106,33 @@ def spans_of(lists: Sequence[list], first: Sequence[int], end: Sequence[int]):
     return chain.from_iterable(map(getitem, lists, map(slice, first, end)))
 
 
+def block_spans(start: np.ndarray, counts: np.ndarray, block_size: int):
+    """(first, end): the blocks [first[k], end[k]) holding tokens
+    [start[k], start[k] + counts[k]) of request k (counts > 0)."""
+    return start // block_size, (start + counts - 1) // block_size + 1
+
+
+def span_slots(ids, start, counts, block_size: int) -> np.ndarray:
+    """int64: the positional slots of tokens [start[k], start[k] + counts[k])
+    of each request k (counts > 0), one request after another, from `ids`:
+    the block ids of each one's `block_spans`, concatenated (spans_of)."""
+    first, end = block_spans(start, counts, block_size)
+    nblocks = end - first
+    seg, k = segments(counts)
+    pos = start[seg] + k
+    at = (nblocks.cumsum() - nblocks - first)[seg] + pos // block_size
+    return ids[at] * block_size + pos % block_size
+
+
+def each_distinct(objs: Sequence, fn: Callable) -> list:
+    """[fn(x) for x in objs], fn called once per distinct object (by
+    identity: a plug-in's may define __eq__): a step's requests share a few
+    settings and policies, so a call a request becomes a few a step."""
+    ids = list(map(id, objs))
+    of = {i: fn(x) for i, x in dict(zip(ids, objs, strict=True)).items()}
+    return list(map(of.__getitem__, ids))
+
+
 def values(table: dict, keys: Sequence) -> list:
     """[table[k] for k in keys], the loop in C (KeyError if absent)."""
     if len(keys) <= 1:

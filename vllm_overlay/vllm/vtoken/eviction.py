@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import indptr_of, ranges
+from vllm.vtoken.arena import each_distinct, indptr_of, ranges
 from vllm.vtoken.policies import create_policy
 from vllm.vtoken.policies.base import (
     BatchView,
@@ -172,39 +172,33 @@ class EvictionRuntime:
                 k if k is not None else r.encode()
                 for r, k in zip(req_ids, keys, strict=True)
             ]
-        setting = list(map(id, evicts))
-        distinct = dict(zip(setting, evicts, strict=True))
-        of = {i: self._policy_of(e) for i, e in distinct.items()}
-        policy, budget = zip(*map(of.__getitem__, setting), strict=True)
-        recs = list(map(_Evicting, policy, budget, repeat(self.seed), keys))
+        policies, budgets = zip(*each_distinct(evicts, self._policy_of), strict=True)
+        recs = list(map(_Evicting, policies, budgets, repeat(self.seed), keys))
         self._reqs.update(zip(req_ids, recs, strict=True))
-        # The policies in use, by identity (a plug-in may define __eq__):
-        # few, whatever the batch.
-        policies = list(map(_POLICY, recs))
-        ids = list(map(id, policies))
-        first = dict(zip(ids, policies, strict=True))
-        for p in first.values():
-            if not any(q is p for q in self._by_index):
-                self._by_index.append(p)
-                self._syncing |= p is not None and _syncs(p)
-        pix = {id(p): i for i, p in enumerate(self._by_index)}
         # By the policy's class, as the worker's table (VTokenWorker._add).
-        keep = {i: keeps_dead_listed(type(p) if p is not None else None)
-                for i, p in first.items()}  # fmt: skip
-        self.pool.add_requests(
-            req_ids, np.fromiter(map(keep.__getitem__, ids), bool, len(ids))
-        )
+        keep = each_distinct(policies, _keeps_dead_listed)
+        self.pool.add_requests(req_ids, np.array(keep, bool))
         rows, cols = self.pool.rows(req_ids), self._by_row
         size = cols["budget"].size
-        if rows.max(initial=-1) >= size:  # the pool's rows grew
+        if rows.max() >= size:  # the pool's rows grew
             grow = max(16, size, int(rows.max()) + 1 - size)
             for name, col in cols.items():
                 cols[name] = np.r_[col, np.zeros(grow, np.int64)]
-        budget = np.fromiter(map(_BUDGET, recs), np.int64, len(recs))
+        budget = np.array(budgets, np.int64)
         budget[np.fromiter(map(is_, policies, repeat(None)), bool, len(recs))] = _NEVER
         cols["budget"][rows] = budget
-        cols["pix"][rows] = np.fromiter(map(pix.__getitem__, ids), np.int64, len(ids))
+        cols["pix"][rows] = each_distinct(policies, self._index_of)
         cols["seed"][rows] = np.fromiter(map(_SEED, recs), np.int64, len(recs))
+
+    def _index_of(self, policy: EvictionPolicy | None) -> int:
+        """`policy`'s position in `_by_index`, added if new: by identity (a
+        plug-in may define __eq__)."""
+        for i, p in enumerate(self._by_index):
+            if p is policy:
+                return i
+        self._by_index.append(policy)
+        self._syncing |= policy is not None and _syncs(policy)
+        return len(self._by_index) - 1
 
     def sync_rows(
         self, req_ids: list[str], counts: np.ndarray, slots, rows=None
@@ -467,10 +461,12 @@ class _Generators(Sequence):
         return self._reqs[self._ids[r]].rng
 
 
-_POLICY = attrgetter("policy")
 _NEVER = np.iinfo(np.int64).max  # a budget no request reaches (no policy)
-_BUDGET = attrgetter("budget")
 _SEED = attrgetter("seed")
+
+
+def _keeps_dead_listed(policy: EvictionPolicy | None) -> bool:
+    return keeps_dead_listed(type(policy) if policy is not None else None)
 
 
 def _syncs(policy: EvictionPolicy) -> bool:

@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, picked, segments, spans_of, values
+from vllm.vtoken.arena import (
+    attrs,
+    block_spans,
+    picked,
+    span_slots,
+    spans_of,
+    values,
+)
 from vllm.vtoken.config import UNBOUNDED_BUDGET
 from vllm.vtoken.eviction import EvictionRuntime
 from vllm.vtoken.messages import VTokenStep, VTokenWorkerOutput
@@ -464,20 +471,16 @@ class VTokenScheduler:
                 return reslotting
             rids = [r for r, g in zip(rids, grow.tolist(), strict=True) if g]
             rows, start, upto = rows[grow], start[grow], upto[grow]
-        # Each request's blocks [first, last], as one flat list of block ids.
-        first, last = start // B, (upto - 1) // B
+        # Each request's blocks [first, end), as one flat list of block ids.
+        counts = upto - start
+        first, end = block_spans(start, counts, B)
         if not grow.all():
             blocks = list(compress(blocks, grow.tolist()))
-        spans = spans_of(blocks, first.tolist(), (last + 1).tolist())
+        spans = spans_of(blocks, first.tolist(), end.tolist())
         ids = np.fromiter(map(_BLOCK_ID, spans), np.int64)
-        assert ids.size == (last - first + 1).sum(), "a block list is too short"
-        counts = upto - start
-        seg, k = segments(counts)
-        pos = start[seg] + k
-        nblocks = last - first + 1
-        block_at = (nblocks.cumsum() - nblocks)[seg] + pos // B - first[seg]
-        self.runtime.sync_rows(rids, counts, ids[block_at] * B + pos % B, rows)
-        self.reclaimer.blocks.record(rows, first, last + 1, ids)
+        assert ids.size == (end - first).sum(), "a block list is too short"
+        self.runtime.sync_rows(rids, counts, span_slots(ids, start, counts, B), rows)
+        self.reclaimer.blocks.record(rows, first, end, ids)
         return reslotting
 
     def _register(self, reqs: list[Request]) -> None:

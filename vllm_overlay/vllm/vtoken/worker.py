@@ -38,9 +38,11 @@ from vllm.vtoken import integrity
 from vllm.vtoken.arena import (
     attrs,
     block_shift,
-    indptr_of,
+    block_spans,
+    each_distinct,
     lookup,
     ranges,
+    span_slots,
     spans_of,
     values,
 )
@@ -76,6 +78,7 @@ _REQ_IDS = attrgetter("req_ids")
 _SAMPLING = attrgetter("sampling_params")
 _BLOCK_IDS = attrgetter("block_ids")
 _FIRST_GROUP = itemgetter(0)
+_KEEPS_DEAD_LISTED = attrgetter("keeps_dead_listed")
 
 
 def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
@@ -384,15 +387,11 @@ class VTokenWorker:
         evicts = request_evictions(
             list(map(_SAMPLING, values(requests, rids))), self.cfg
         )
-        ids = list(map(id, evicts))
-        seen = dict(zip(ids, evicts, strict=True))  # few, whatever the batch
-        keep = {i: e.keeps_dead_listed for i, e in seen.items()}
+        keep = each_distinct(evicts, _KEEPS_DEAD_LISTED)
+        self.pool.add_requests(rids, np.array(keep, bool))
         scores = self.scores is not None
-        scored = {i: scores and e.score_mode is not None for i, e in seen.items()}
-        self.pool.add_requests(
-            rids, np.fromiter(map(keep.__getitem__, ids), bool, len(ids))
-        )
-        self._scored.update(zip(rids, map(scored.__getitem__, ids), strict=True))
+        scored = each_distinct(evicts, lambda e: scores and e.score_mode is not None)
+        self._scored.update(zip(rids, scored, strict=True))
 
     def _with_hits(self, rids, requests, counts, new, start, hits) -> np.ndarray:
         """The step's slots with each request's prefix-cache hits (tokens
@@ -406,15 +405,12 @@ class VTokenWorker:
         hit = np.flatnonzero(hits)
         if hit.size:
             lo, n = start[hit], hits[hit]
-            b0, b1 = lo // B, (lo + n - 1) // B + 1  # each one's blocks [b0, b1)
+            b0, b1 = block_spans(lo, n, B)
             states = values(requests, list(map(rids.__getitem__, hit.tolist())))
             lists = map(_FIRST_GROUP, map(_BLOCK_IDS, states))  # group 0's ids
             ids = np.fromiter(spans_of(lists, b0.tolist(), b1.tolist()), np.int64)
             assert ids.size == int((b1 - b0).sum()), "a block table is too short"
-            pos = ranges(lo, n)  # the hit tokens, request after request
-            seg = np.repeat(np.arange(hit.size), n)
-            at = (indptr_of(b1 - b0)[:-1] - b0)[seg] + pos // B  # into `ids`
-            out[ranges(first[hit], n)] = ids[at] * B + pos % B
+            out[ranges(first[hit], n)] = span_slots(ids, lo, n, B)
         return out
 
     def end_stage(self) -> None:
