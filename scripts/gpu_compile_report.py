@@ -37,8 +37,12 @@ from types import SimpleNamespace
 
 # Query heads / KV heads / head size[:dtype]: Llama-3.1-8B, Llama-3.1-70B at
 # TP 8 (one KV head a rank), a head size of 256, SmolLM2-135M in fp16 (3
-# query heads a KV head: a group padded to 4).
-SHAPES = ("32/8/128", "8/1/128", "8/4/256", "9/3/64:float16")
+# query heads a KV head: a group padded to 4), Llama-3.1-8B with an fp8 KV
+# cache (--kv-cache-dtype fp8: the cache's bytes read as e4m3, bf16 queries).
+SHAPES = ("32/8/128", "8/1/128", "8/4/256", "9/3/64:float16", "32/8/128:fp8")
+# Triton converts e4m3 (fp8e4nv) on sm_89 and later only: an fp8 shape is
+# compiled there (vLLM's own kernel reads the cache the same way).
+FP8_FROM = 89
 OUT = pathlib.Path(__file__).resolve().parents[1] / "docs/bench/gpu_compile.json"
 # Shared memory a block may take, bytes (the compile does not check it; a
 # launch would fail): A100, H100/H200.
@@ -100,9 +104,10 @@ def compile_only(capability: int) -> list:
 
 
 def launch_warm_up(shape: str) -> None:
-    """Runs the worker's warm-up at `shape` ("Hq/Hkv/D[:dtype]") for each
-    score mode (H2O's sum, its max aggregate, SnapKV's window), and one KV
-    copy, on CPU tensors (the launches only compile)."""
+    """Runs the worker's warm-up at `shape` ("Hq/Hkv/D[:dtype]"; dtype fp8:
+    an e4m3 cache) for each score mode (H2O's sum, its max aggregate,
+    SnapKV's window), and one KV copy, on CPU tensors (the launches only
+    compile)."""
     import torch
     import triton
 
@@ -112,9 +117,13 @@ def launch_warm_up(shape: str) -> None:
     heads, _, dtype = shape.partition(":")
     hq, h, d = map(int, heads.split("/"))
     num_blocks, block, segments = 64, 16, 16
+    fp8 = dtype == "fp8"  # as vLLM allocates it: bytes, read as e4m3
     kv = torch.zeros(
-        num_blocks, 2, block, h, d, dtype=getattr(torch, dtype or "bfloat16")
-    )
+        num_blocks, 2, block, h, d,
+        dtype=torch.uint8 if fp8 else getattr(torch, dtype or "bfloat16"),
+    )  # fmt: skip
+    kv_dtype = torch.float8_e4m3fn if fp8 else None
+    query_dtype = torch.bfloat16 if fp8 else None
     rows = 128 // h  # TritonAttentionMetadataBuilder's seq_threshold_3D
     split = SimpleNamespace(  # its split-KV buffers
         seq_threshold_3D=rows,
@@ -125,7 +134,7 @@ def launch_warm_up(shape: str) -> None:
     )
     for aggregate, window in (("mean", None), ("max", None), ("mean", 8)):
         scores = SimpleNamespace(aggregate=aggregate, query_window=window)
-        warm_up(kv, hq, scores, split)
+        warm_up(kv, hq, scores, split, kv_dtype, query_dtype)
     TritonKVSlotCopier([kv], block).copy(torch.arange(2), torch.arange(2, 4))
 
 
@@ -196,6 +205,9 @@ def main() -> int:
     start, shapes = time.perf_counter(), {}
     print(f"sm_{cap}:")
     for shape in a.shapes:
+        if shape.endswith(":fp8") and cap < FP8_FROM:
+            print(f"  {shape:>16} (fp8: sm_{FP8_FROM} and later)")
+            continue
         del launches[:]
         launch_warm_up(shape)
         shapes[shape] = kernels = summarize(launches)

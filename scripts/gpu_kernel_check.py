@@ -10,10 +10,12 @@ overlay import (triton_utils, logger, platforms, batch_invariant); the overlay's
     copy          kv_copy_triton byte-exact (bf16, fp8, uint8); GB/s vs d2d copy
     read          one-token-page read vs stock 16-token pages (decode, prefill,
                   chunked prefill; decode on vLLM's split-KV (3D) path, and
-                  with half the requests left to the stock output), max abs
+                  with half the requests left to the stock output; decode and
+                  prefill over an fp8 cache with its scales), max abs
                   difference
     score         score kernel vs float64 (mean/max, SnapKV window; the model's
-                  heads and a wide GQA group), rel error
+                  heads and a wide GQA group; an fp8 cache's keys against
+                  their dequantized values), rel error
     decode_time   stock vs vToken read vs score-only, ms (CUDA events, medians)
     score_memory  peak extra memory of scoring an 8k-token prefill (and dense)
     syncs         host syncs in a step's read: its plan uploaded through the
@@ -146,16 +148,38 @@ def make_batch(c, seq, qlen, dtype=None, B=16, heads=None):
     )  # fmt: skip
 
 
+def fp8_batch(b):
+    """Batch `b` with its cache in fp8 (e4m3, per-tensor K and V scales) as
+    vLLM allocates it (bytes), its `quant` as patch 0080 passes it, and the
+    dequantized values (`deq`) for the float64 references."""
+    from vllm.vtoken.triton_attention import KVQuant
+
+    f8, cache = torch.float8_e4m3fn, b["cache"]
+    scales = [torch.tensor([s], device=cache.device) for s in (0.05, 0.03)]
+    raw = torch.empty(cache.shape, dtype=torch.uint8, device=cache.device)
+    deq = torch.empty_like(cache)
+    for kv, s in enumerate(scales):
+        x = (cache[:, kv].float() / s).to(f8)
+        raw[:, kv], deq[:, kv] = x.view(torch.uint8), (x.float() * s).to(cache.dtype)
+    return dict(b, cache=raw, deq=deq, quant=KVQuant(f8, *scales))
+
+
 def stock_read(b, out):
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
+    cache, quant, descale = b["cache"], b.get("quant"), {}
+    if quant is not None:  # as TRITON_ATTN's forward passes an fp8 cache
+        cache, shape = cache.view(quant.dtype), (len(b["seq"]), cache.shape[3])
+        descale = dict(
+            k_descale=quant.k_scale.expand(shape), v_descale=quant.v_scale.expand(shape)
+        )
     unified_attention(
-        q=b["q"], k=b["cache"][:, 0], v=b["cache"][:, 1], out=out,
+        q=b["q"], k=cache[:, 0], v=cache[:, 1], out=out,
         cu_seqlens_q=b["qsl_t"], max_seqlen_q=int(b["qlen"].max()),
         seqused_k=b["seq_t"], max_seqlen_k=int(b["seq"].max()),
         softmax_scale=b["scale"], causal=True,
         window_size=(-1, -1), block_table=b["bt"], softcap=0,
-        q_descale=None, k_descale=None, v_descale=None,
+        q_descale=None, **(descale or dict(k_descale=None, v_descale=None)),
     )  # fmt: skip
 
 
@@ -207,12 +231,15 @@ def vtoken_read(b, out, scores=None, write=None, split=None):
         query_start_loc=b["qsl"], kv_indptr=b["indptr"], kv_slots=b["slots"],
         plan=plan, scores=scores, with_stock=stock,
     )  # fmt: skip
-    return partial(triton_forward, read, b["q"], b["cache"], out, b["scale"], split)
+    return partial(
+        triton_forward, read, b["q"], b["cache"], out, b["scale"], split, b.get("quant")
+    )
 
 
 def dense_mass64(b, aggregate, window):
     """float64 reference masses, request by request, in kv_slots order."""
-    out, keys = [], b["cache"][b["slots"] // 16, 0, b["slots"] % 16].double()
+    cache = b.get("deq", b["cache"])  # an fp8 cache's values, dequantized
+    out, keys = [], cache[b["slots"] // 16, 0, b["slots"] % 16].double()
     for r in range(len(b["seq"])):
         q = b["q"][b["qsl"][r] : b["qsl"][r + 1]].double().transpose(0, 1)
         k = keys[b["indptr"][r] : b["indptr"][r + 1]].transpose(0, 1)
@@ -259,8 +286,11 @@ def check_read(c):
     seq, ql = c.read["decode"]
     half = np.arange(len(seq)) % 2 == 0
     runs += [("decode_split_kv", seq, ql, "split"), ("decode_mixed", seq, ql, half)]
+    runs += [(f"{name}_fp8", *c.read[name], "fp8") for name in ("decode", "prefill")]
     for name, seq, ql, how in runs:
         b = make_batch(c, seq, ql)
+        if isinstance(how, str) and how == "fp8":  # one fp8 cache, its scales
+            b, how = fp8_batch(b), None
         want, got = torch.zeros_like(b["q"]), torch.zeros_like(b["q"])
         stock_read(b, want)
         if isinstance(how, str):  # decode on vLLM's 3D path (patch 0080 passes it)
@@ -286,8 +316,14 @@ def check_score(c):
     from vllm.vtoken.score_kernel import build_score_plan, triton_attention_mass
 
     res = {}
-    for heads, dt in itertools.product((c.heads, c.wide), (torch.float32, c.dt)):
+    runs = list(itertools.product((c.heads, c.wide), (torch.float32, c.dt), [0]))
+    runs += [(c.heads, torch.float32, 1), (c.heads, c.dt, 1)]  # an fp8 cache
+    for heads, dt, fp8 in runs:
         b = make_batch(c, *c.score, dtype=dt, heads=heads)
+        cache, k_scale = b["cache"], None
+        if fp8:  # the kernel reads the bytes as e4m3 times the scale
+            b = fp8_batch(b)
+            cache, k_scale = b["cache"].view(b["quant"].dtype), b["quant"].k_scale
         group = heads[0] // heads[1]
         for aggregate in ("mean", "max"):
             for window in (None, 8):
@@ -295,12 +331,12 @@ def check_score(c):
                     b["qsl"], b["indptr"], b["slots"], window, group=group
                 )
                 got = triton_attention_mass(
-                    b["q"], b["cache"], plan, b["scale"], aggregate
+                    b["q"], cache, plan, b["scale"], aggregate, k_scale=k_scale
                 ).double()
                 want = dense_mass64(b, aggregate, window)
                 err = ((got - want).abs() / (1 + want.abs())).max().item()
                 ok = err <= (1e-5 if dt == torch.float32 else 2e-3)
-                key = f"g{group}_{str(dt)[6:]}_{aggregate}_w{window}"
+                key = f"g{group}_{str(dt)[6:]}{'_fp8' * fp8}_{aggregate}_w{window}"
                 res[key] = dict(rel_err=err, ok=ok)
     res["ok"] = all(v["ok"] for v in res.values())
     return res

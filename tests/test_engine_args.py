@@ -188,9 +188,38 @@ def test_kv_offloading_is_refused():
     assert make_config(kv_offloading_size=1.0).kv_transfer_config  # vLLM's own
 
 
-def test_an_fp8_kv_cache_is_refused():
-    with pytest.raises(Exception, match="does not support --kv-cache-dtype fp8"):
+def test_an_fp8_kv_cache_is_refused_on_cpu():
+    with pytest.raises(
+        Exception,
+        match="does not support --kv-cache-dtype fp8: vLLM's CPU attention has no fp8",
+    ):
         make_config(kv_eviction_policy="h2o", kv_budget_tokens=64, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, on_gpu, capability, refused",
+    [
+        ("auto", False, None, None),
+        ("auto", True, 80, None),
+        ("fp8", True, 90, None),  # TRITON_ATTN's read takes the layers' scales
+        ("fp8_e4m3", True, 89, None),
+        ("fp8", True, None, None),  # not known: Triton's compile says
+        ("fp8", True, 80, "capability 8.9 and later (this GPU: 8.0)"),
+        ("fp8", False, None, "CPU attention has no fp8"),
+        ("fp8_e4m3", False, None, "CPU attention has no fp8"),
+        ("fp8_e5m2", True, 90, "e4m3 fp8 caches"),
+        ("fp8_inc", True, 90, "e4m3 fp8 caches"),
+        ("bfloat16", True, 90, "leave it auto"),
+        ("float16", False, None, "leave it auto"),
+    ],
+)
+def test_the_kv_cache_dtypes_the_read_takes(cache_dtype, on_gpu, capability, refused):
+    """The start-up check's table (its CPU refusal through the engine
+    arguments above; GPU platforms cannot be built here)."""
+    from vllm.vtoken.config import cache_dtype_refused
+
+    why = cache_dtype_refused(cache_dtype, on_gpu, capability)
+    assert why is None if refused is None else refused in why
 
 
 def test_a_block_size_not_a_power_of_two_is_refused():

@@ -37,18 +37,22 @@ KERNELS = {
 def test_every_kernel_the_warm_up_launches_compiles_for_the_gpu(tmp_path):
     """scripts/gpu_compile_report.py at the two shapes that ask the most: a
     GQA group of 8 (the score kernel's registers) and a head size of 256
-    (shared memory), for A100 and H100. It fails on a kernel that does not
-    compile, or takes more shared memory than the GPU has."""
+    (shared memory), for A100 and H100, and the first with an fp8 cache
+    (H100 only). It fails on a kernel that does not compile, or takes more
+    shared memory than the GPU has."""
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts/gpu_compile_report.py"), str(STOCK),
          "--out", str(out), "--capability", "90", "80",
-         "--shapes", "8/1/128", "8/4/256"],
+         "--shapes", "8/1/128", "8/4/256", "8/1/128:fp8"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["targets"]
     assert set(report) == {"sm_90", "sm_80"}
+    # An fp8 cache's kernels, where Triton converts e4m3 (sm_89 and later).
+    assert "8/1/128:fp8" in report["sm_90"]["shapes"]
+    assert "8/1/128:fp8" not in report["sm_80"]["shapes"]
     for target in report.values():
         for shape, kernels in target["shapes"].items():
             assert set(kernels) == KERNELS, shape
@@ -64,12 +68,15 @@ from vllm.vtoken.kv_copy_triton import TritonKVSlotCopier
 from vllm.vtoken.score_kernel import triton_attention_mass
 from vllm.vtoken.scores import ScoreAccumulator
 from vllm.vtoken.staging import HostToDevice
-from vllm.vtoken.triton_attention import _Read, triton_forward, warm_up
+from vllm.vtoken.triton_attention import KVQuant, _Read, triton_forward, warm_up
 from vllm.vtoken.triton_plan import build_triton_read_plan
 
 hq, h, d = 32, 8, 128  # Llama-3.1-8B
 N, B, S = 4096, 16, 16
-kv = torch.zeros(N, 2, B, h, d, dtype=torch.bfloat16)
+bf16 = torch.zeros(N, 2, B, h, d, dtype=torch.bfloat16)
+# An fp8 cache as vLLM allocates it (bytes), and a layer's scales.
+fp8 = bf16.new_zeros(bf16.shape, dtype=torch.uint8), torch.float8_e4m3fn
+scales = torch.tensor([0.5]), torch.tensor([0.25])
 rows = 128 // h
 split = SimpleNamespace(
     seq_threshold_3D=rows,
@@ -85,7 +92,7 @@ steps += [[n] for n in (1, 2, 3, 15, 16, 17, 100, 513)]  # prefills
 steps += [[1] * (r - 1) + [77] for r in (2, 9, 40)]  # decodes beside a chunk
 
 
-def step(scores, qlens, extra_keys, write):
+def step(scores, qlens, extra_keys, write):  # reads kv and quant
     qlens = np.asarray(qlens)
     klens = qlens + extra_keys
     qsl, indptr = np.r_[0, np.cumsum(qlens)], np.r_[0, np.cumsum(klens)]
@@ -98,29 +105,37 @@ def step(scores, qlens, extra_keys, write):
         score_group=hq // h, stage=stage,
     )
     # As vLLM passes it: a view of the fused QKV projection.
-    q = torch.zeros(int(qsl[-1]), hq + 2 * h, d, dtype=kv.dtype)[:, :hq]
-    triton_forward(_Read(plan, None), q, kv, torch.empty_like(q), d**-0.5, split)
+    q = torch.zeros(int(qsl[-1]), hq + 2 * h, d, dtype=torch.bfloat16)[:, :hq]
+    out = torch.empty_like(q)
+    triton_forward(_Read(plan, None), q, kv, out, d**-0.5, split, quant)
     if scores is not None and plan.score.num_tiles:
-        triton_attention_mass(q, kv, plan.score, d**-0.5, scores.aggregate)
+        cache, k_scale = kv, None
+        if quant is not None:  # as triton_forward hands it on
+            cache, k_scale = kv.view(quant.dtype), quant.k_scale
+        triton_attention_mass(
+            q, cache, plan.score, d**-0.5, scores.aggregate, k_scale=k_scale
+        )
 
 
-for scores in (
-    None,
-    ScoreAccumulator("sum"),
-    ScoreAccumulator("sum", aggregate="max"),
-    ScoreAccumulator("window", query_window=8),
-):
-    COMPILED.clear()
-    warm_up(kv, hq, scores, split)
-    warm = {c[2] for c in COMPILED}
-    for qlens in steps:
-        r = len(qlens)
-        for extra in (0, rng.integers(0, 200, r)):  # a first chunk, a later one
-            for write in (None, np.arange(r) % 2 == 1):  # all rows, some
-                step(scores, qlens, extra, write)
-    new = {(c[0], c[2]) for c in COMPILED if c[2] not in warm}
-    assert not new, (scores and scores.mode, sorted(name for name, _ in new))
-copier = TritonKVSlotCopier([kv], B)
+for kv, kv_dtype in ((bf16, None), fp8):
+    quant = None if kv_dtype is None else KVQuant(kv_dtype, *scales)
+    for scores in (
+        None,
+        ScoreAccumulator("sum"),
+        ScoreAccumulator("sum", aggregate="max"),
+        ScoreAccumulator("window", query_window=8),
+    ):
+        COMPILED.clear()
+        warm_up(kv, hq, scores, split, kv_dtype, torch.bfloat16)
+        warm = {c[2] for c in COMPILED}
+        for qlens in steps:
+            r = len(qlens)
+            for extra in (0, rng.integers(0, 200, r)):  # a first chunk, a later one
+                for write in (None, np.arange(r) % 2 == 1):  # all rows, some
+                    step(scores, qlens, extra, write)
+        new = {(c[0], c[2]) for c in COMPILED if c[2] not in warm}
+        assert not new, (kv_dtype, scores and scores.mode, sorted(n for n, _ in new))
+copier = TritonKVSlotCopier([bf16], B)
 COMPILED.clear()
 pairs = slot_pairs(np.array([0]), np.array([1]))  # KVCopyExecutor.warm_up
 copier.copy(pairs[0, :1], pairs[1, :1])
@@ -140,7 +155,7 @@ def test_no_step_compiles_a_kernel_variant_the_warm_up_did_not():
     prefills of 1 to 513 tokens, first chunks and later ones, decodes beside
     a chunk, every row read or some), in each score mode (sum, its max
     aggregate, SnapKV's window; Scissorhands' persistence launches as sum
-    does), at Llama-3.1-8B's shape with the query a view of fused QKV, and
-    KV copies of 1 to 300 moves, reach only the variants it compiled:
-    Triton's own cache keys, compared."""
+    does), at Llama-3.1-8B's shape with the query a view of fused QKV, with
+    a bf16 cache and an fp8 one, and KV copies of 1 to 300 moves, reach only
+    the variants it compiled: Triton's own cache keys, compared."""
     run_compiling_for(90, _NO_COMPILE_AFTER_WARM_UP_CHILD, "NO-COMPILE-OK")

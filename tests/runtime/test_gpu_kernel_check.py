@@ -44,6 +44,9 @@ def test_gpu_kernel_check_runs_tiny_on_cpu(tmp_path):
         assert name in report, name
     assert all(report["copy"][t]["exact"] for t in ("bfloat16", "uint8"))
     assert set(report["read"]) >= {
-        "decode", "prefill", "chunked", "decode_split_kv", "decode_mixed"
+        "decode", "prefill", "chunked", "decode_split_kv", "decode_mixed",
+        "decode_fp8", "prefill_fp8",
     }  # fmt: skip
-    assert {"g3_float32_mean_wNone", "g16_float32_mean_wNone"} <= set(report["score"])
+    assert {
+        "g3_float32_mean_wNone", "g16_float32_mean_wNone", "g3_float32_fp8_max_w8"
+    } <= set(report["score"])  # fmt: skip

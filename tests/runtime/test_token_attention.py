@@ -486,16 +486,17 @@ _WARM_UP_CHILD = """
 
     N, H, Hq, B, D, S = 4, 2, 4, 16, 32, 4
     forward, seen = ta.triton_forward, []
-    def counting(read, q, *args):
+    def counting(read, q, kv, out, scale, split, kv_quant):
         seen.append(
-            (read.plan.live_lens.numel(), q.shape[0], args[-1] is not None, q.stride(0))
+            (read.plan.live_lens.numel(), q.shape[0], split is not None, q.stride(0))
         )
-        return forward(read, q, *args)
+        assert kv_quant is None  # the model's dtype
+        return forward(read, q, kv, out, scale, split, kv_quant)
     ta.triton_forward = counting
     mass, keys = ta.triton_attention_mass, set()
-    def scoring(q, kv, plan, *args):
+    def scoring(q, kv, plan, *args, **kwargs):
         keys.add(plan.kv_slots.numel())
-        return mass(q, kv, plan, *args)
+        return mass(q, kv, plan, *args, **kwargs)
     ta.triton_attention_mass = scoring
     kv = torch.randn(N, 2, B, H, D)
     before = kv.clone()
@@ -532,6 +533,27 @@ def test_warm_up_runs_the_split_kv_decode_read_under_interpreter():
     split-KV buffers of the runner's TRITON_ATTN metadata builder, and leaves
     the cache as it found it."""
     run_under_interpreter(_WARM_UP_CHILD, "WARM-UP-OK")
+
+
+_FP8_WARM_UP_CHILD = """
+    from vllm.vtoken.scores import ScoreAccumulator
+    from vllm.vtoken.triton_attention import warm_up
+
+    # An fp8 cache as vLLM allocates it (bytes; no NaN encodings), fp32 queries.
+    raw = torch.randint(0, 120, (4, 2, 16, 2, 32), dtype=torch.uint8)
+    before = raw.clone()
+    for scores in (None, ScoreAccumulator("sum")):
+        warm_up(raw, 4, scores, None, torch.float8_e4m3fn, torch.float32)
+    assert torch.equal(raw, before), "the warm-up wrote the cache"
+    print("FP8-WARM-UP-OK")
+"""
+
+
+def test_the_warm_up_reads_an_fp8_cache_under_interpreter():
+    """The worker's start-up warm-up over an fp8 cache (its bytes, read as
+    e4m3 with unit scales): the read and the score kernel run, and the
+    cache is left as it was."""
+    run_under_interpreter(_FP8_WARM_UP_CHILD, "FP8-WARM-UP-OK")
 
 
 @pytest.mark.gpu

@@ -118,6 +118,75 @@ def test_gpu_read_overwrites_only_the_rows_of_requests_with_a_dead_token():
     run_under_interpreter(_MIXED, "MIXED-READ-OK")
 
 
+_FP8 = (
+    _SETUP
+    + """
+    from vllm.vtoken.triton_attention import KVQuant
+
+    # The same keys and values as an fp8 (e4m3) cache of per-tensor scales,
+    # its bytes as vLLM allocates them (uint8), and as a float32 cache of
+    # their dequantized values.
+    f8 = torch.float8_e4m3fn
+    k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.02])
+    k8, v8 = (k / k_scale).to(f8), (v / v_scale).to(f8)
+    raw = torch.zeros(N, 2, B, H, D, dtype=torch.uint8)
+    raw[n, 0, b], raw[n, 1, b] = k8.view(torch.uint8), v8.view(torch.uint8)
+    deq = torch.zeros(N, 2, B, H, D)
+    deq[n, 0, b], deq[n, 1, b] = k8.float() * k_scale, v8.float() * v_scale
+
+    def read(cache, kv_quant):
+        scores = ScoreAccumulator("sum")
+        scores.begin_step(len(slots))
+        plan = build_triton_read_plan(qsl, indptr, slots, B, scored=True,
+                                      score_group=Hq // H)
+        read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
+                         plan=plan, scores=scores)
+        out = torch.zeros(len(q), Hq * D)
+        triton_forward(read, q, cache, out, D ** -0.5, kv_quant=kv_quant)
+        fold(scores, indptr, qsl, 1.0 * Hq)
+        return out, np.concatenate([scores.scores(r, np.arange(m))
+                                    for r, m in zip("abc", lens)])
+
+    want = read(deq, None)
+    got = read(raw, KVQuant(f8, k_scale, v_scale))
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
+    # The scales count, in the read and in the scores alike.
+    one = torch.ones(1)
+    off = read(raw, KVQuant(f8, one, one))
+    assert not torch.allclose(off[0], want[0], atol=1e-2)
+    assert not np.allclose(off[1], want[1], atol=1e-2)
+    print("FP8-READ-OK")
+"""
+)
+
+
+def test_an_fp8_cache_is_read_with_its_scales_under_interpreter():
+    """An fp8 (e4m3) cache as vLLM allocates it (bytes) and the layer's K
+    and V scales (patch 0080's `kv_quant_of`): the read and its scores equal
+    those over a float32 cache of the dequantized keys and values."""
+    run_under_interpreter(_FP8, "FP8-READ-OK")
+
+
+def test_kv_quant_of_reads_stock_s_fp8_settings():
+    from types import SimpleNamespace
+
+    from vllm.vtoken.triton_attention import KVQuant, kv_quant_of
+
+    layer = SimpleNamespace(
+        _k_scale=torch.tensor([0.5]), _v_scale=torch.tensor([0.25]), _q_scale_float=1.0
+    )
+    auto = SimpleNamespace(kv_cache_dtype="auto", fp8_dtype=torch.float8_e4m3fn)
+    assert kv_quant_of(auto, layer) is None
+    fp8 = SimpleNamespace(kv_cache_dtype="fp8", fp8_dtype=torch.float8_e4m3fn)
+    got = kv_quant_of(fp8, layer)
+    assert isinstance(got, KVQuant) and got.dtype == torch.float8_e4m3fn
+    assert got.k_scale is layer._k_scale and got.v_scale is layer._v_scale
+    layer._q_scale_float = 2.0  # stock asserts the same on its own path
+    with pytest.raises(AssertionError, match="q_scale"):
+        kv_quant_of(fp8, layer)
+
+
 _STALE = (
     _SETUP
     + """

@@ -45,6 +45,43 @@ EvictionPolicyName = Literal[
 ReclaimMode = Literal["naive", "vtoken"]
 
 
+# KV cache dtypes the token read takes besides the model's own ("auto"): an
+# fp8 cache in the platform's e4m3 type, on TRITON_ATTN, with the layers'
+# scales (triton_attention.KVQuant). The KV copy moves bytes: any dtype.
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# Triton converts e4m3 on compute capability 8.9 (Ada, Hopper) and later.
+FP8_FROM_CAPABILITY = 89
+
+
+def cache_dtype_refused(
+    cache_dtype: str, on_gpu: bool, capability: int | None = None
+) -> str | None:
+    """Why vToken refuses `--kv-cache-dtype cache_dtype` on a CUDA-alike
+    platform of compute `capability` (90: H100; None: not known) when
+    `on_gpu`, else on CPU; None when it takes it."""
+    if cache_dtype == "auto":
+        return None
+    if cache_dtype in FP8_CACHE_DTYPES:
+        if not on_gpu:
+            return "vLLM's CPU attention has no fp8 KV cache"
+        if capability is not None and capability < FP8_FROM_CAPABILITY:
+            return (
+                "the token read's Triton kernels read e4m3 on compute "
+                f"capability 8.9 and later (this GPU: {capability // 10}."
+                f"{capability % 10})"
+            )
+        return None
+    if cache_dtype.startswith("fp8"):
+        return (
+            "the token read is built and checked for e4m3 fp8 caches "
+            f"({', '.join(FP8_CACHE_DTYPES)}, GPU) only"
+        )
+    return (
+        "the token read handles the model's dtype, or fp8 (e4m3) on a GPU: "
+        "leave it auto"
+    )
+
+
 @config
 class VTokenConfig:
     """Token-level KV-cache eviction with physical reclamation (vToken)."""
@@ -204,12 +241,14 @@ class VTokenConfig:
             )
         if envs.VLLM_USE_V2_MODEL_RUNNER:
             refuse("VLLM_USE_V2_MODEL_RUNNER=1", "vToken hooks the V1 model runner")
-        cache_dtype = vllm_config.cache_config.cache_dtype
-        if cache_dtype != "auto":
-            refuse(
-                f"--kv-cache-dtype {cache_dtype}",
-                "the token read and the KV copy handle the model's dtype only",
-            )
+        on_gpu, capability = current_platform.is_cuda_alike(), None
+        if on_gpu and (cap := current_platform.get_device_capability()) is not None:
+            capability = cap.to_int()
+        why = cache_dtype_refused(
+            vllm_config.cache_config.cache_dtype, on_gpu, capability
+        )
+        if why is not None:
+            refuse(f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}", why)
         block = vllm_config.cache_config.block_size
         if block is not None and block & (block - 1):
             refuse(

@@ -250,6 +250,7 @@ def triton_attention_mass(
     scale: float,
     aggregate: str = "mean",
     block_n: int = 64,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every key's attention mass for one layer, one kernel launch (Triton).
 
@@ -262,6 +263,9 @@ def triton_attention_mass(
             heads in the kernel; for requests whose rows span tiles, a
             [Hq, their keys] scratch, then its max: one reduce more).
         block_n: Keys per inner tile.
+        k_scale: An fp8 cache's K scale (float32, one element, on the
+            device): its keys are dequantized as vLLM's kernel does. None
+            for a cache of the model's dtype.
 
     Returns:
         float32 [K]: mass of key kv_slots[j], summed over counted query rows.
@@ -274,6 +278,9 @@ def triton_attention_mass(
     _, hq, dq = query.shape
     assert dq == d and hq % hkv == 0, (tuple(query.shape), tuple(kv_cache.shape))
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1, "head rows not dense"
+    assert (k_scale is not None) == (kv_cache.element_size() == 1), (
+        "an fp8 cache's keys need its scale, and only they"
+    )
     num_keys = plan.kv_slots.numel()
     top = aggregate == "max"
     mass = torch.zeros(num_keys, dtype=torch.float32, device=query.device)
@@ -297,6 +304,7 @@ def triton_attention_mass(
         mass,
         scratch,
         scale,
+        mass if k_scale is None else k_scale,  # not read without FP8
         plan.num_tiles,
         num_scratch,
         query.stride(0),
@@ -314,6 +322,7 @@ def triton_attention_mass(
         D_PAD=triton.next_power_of_2(d),
         TOP=top,
         IEEE=query.dtype == torch.float32,
+        FP8=k_scale is not None,
     )
     if num_scratch:
         mass[spans] = scratch.amax(dim=0)

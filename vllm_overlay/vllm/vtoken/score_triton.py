@@ -5,7 +5,8 @@ Kept apart so that the CPU path (score_kernel's torch code) imports without
 Triton. Grid (num_tiles, Hkv): program (t, h) takes tile t's query rows (one
 request) times the G query heads of KV head h as the rows of its [BLOCK_M, D]
 query block, like vLLM's unified attention, and reads the request's keys
-through `kv_slots` from the [N, 2, B, H, D] cache (K half):
+through `kv_slots` from the [N, 2, B, H, D] cache (K half; fp8 keys times
+the layer's K scale, FP8):
 
     pass 1   online max and sum of exp over the visible keys -> lse per row
     pass 2   p = exp(s - lse), summed over the block's rows -> atomic add into
@@ -35,6 +36,7 @@ def _logits(
     limit,
     kvh,
     scale,
+    k_scale_ptr,
     stride_cn,
     stride_cb,
     stride_ch,
@@ -43,6 +45,7 @@ def _logits(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # Scaled, causally masked logits of the block's rows against keys
     # [n0, n0 + BLOCK_N) of the request; hidden entries are -inf.
@@ -55,7 +58,10 @@ def _logits(
         cache_ptr + row[None, :] + offs_d[:, None],
         mask=kmask[None, :] & (offs_d[:, None] < HEAD_DIM),
         other=0.0,
-    ).to(q.dtype)  # [D_PAD, BLOCK_N]
+    )  # [D_PAD, BLOCK_N]
+    if FP8:  # dequantized as vLLM's unified attention does
+        kt = kt.to(tl.float32) * tl.load(k_scale_ptr)
+    kt = kt.to(q.dtype)
     if IEEE:  # fp32 inputs: no TF32, the scores must match fp64 to 1e-5
         s = tl.dot(q, kt, input_precision="ieee")
     else:
@@ -75,6 +81,7 @@ def score_mass_kernel(
     mass_ptr,  # float32 [K], zeroed
     scratch_ptr,  # float32 [Hq, num_scratch], zeroed ("max")
     scale,
+    k_scale_ptr,  # float32 [1]: an fp8 cache's K scale (FP8)
     num_tiles,
     num_scratch,
     stride_qt,
@@ -92,6 +99,7 @@ def score_mass_kernel(
     D_PAD: tl.constexpr,
     TOP: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -121,8 +129,8 @@ def score_mass_kernel(
     for n0 in range(0, kmax, BLOCK_N):
         s, _, _ = _logits(
             q, cache_ptr, slots_ptr, kstart, n0, kmax, limit, kvh, scale,
-            stride_cn, stride_cb, stride_ch,
-            BLOCK, BLOCK_N, HEAD_DIM, D_PAD, IEEE,
+            k_scale_ptr, stride_cn, stride_cb, stride_ch,
+            BLOCK, BLOCK_N, HEAD_DIM, D_PAD, IEEE, FP8,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
@@ -132,8 +140,8 @@ def score_mass_kernel(
     for n0 in range(0, kmax, BLOCK_N):
         s, key, kmask = _logits(
             q, cache_ptr, slots_ptr, kstart, n0, kmax, limit, kvh, scale,
-            stride_cn, stride_cb, stride_ch,
-            BLOCK, BLOCK_N, HEAD_DIM, D_PAD, IEEE,
+            k_scale_ptr, stride_cn, stride_cb, stride_ch,
+            BLOCK, BLOCK_N, HEAD_DIM, D_PAD, IEEE, FP8,
         )  # fmt: skip
         p = tl.exp(s - lse[:, None])
         if TOP:  # per query head: the max over heads needs each head's sum

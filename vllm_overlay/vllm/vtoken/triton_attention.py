@@ -14,6 +14,11 @@ which the read kernel does not return: one more launch per layer computes it
 for the whole batch (`score_kernel.triton_attention_mass`, tiled, no
 probabilities stored) from the step's `ScorePlan`. `attention_mass` is the
 dense torch reference.
+
+An fp8 KV cache (`--kv-cache-dtype fp8`) is read as vLLM's stock forward
+reads it: its bytes viewed as the platform's fp8 type, each element times the
+layer's per-tensor scale (`KVQuant`), in both kernels. Moves copy bytes, so a
+moved token keeps its encoding and its layer's scale.
 """
 
 from __future__ import annotations
@@ -45,6 +50,28 @@ SPLIT_KV = (
 )
 
 
+@dataclass(frozen=True)
+class KVQuant:
+    """An fp8 KV cache as TRITON_ATTN reads it: its bytes viewed as `dtype`,
+    each K (V) element times `k_scale` (`v_scale`), float32 tensors of one
+    element per layer, read on the device (no host sync)."""
+
+    dtype: torch.dtype
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+def kv_quant_of(impl: Any, layer: Any) -> KVQuant | None:
+    """Patch 0080's glue: TritonAttentionImpl `impl`'s cache as its stock
+    forward reads it for `layer` (the platform's fp8 type, the layer's
+    scales), or None for a cache of the model's dtype."""
+    if not impl.kv_cache_dtype.startswith("fp8"):
+        return None
+    # Stock's own condition, asserted on its path, which a read may skip.
+    assert layer._q_scale_float == 1.0, "A non 1.0 q_scale is not supported."
+    return KVQuant(impl.fp8_dtype, layer._k_scale, layer._v_scale)
+
+
 def triton_forward(
     read: Any,  # the step's context.TokenRead (not imported: context imports us)
     query: torch.Tensor,
@@ -52,16 +79,24 @@ def triton_forward(
     output: torch.Tensor,
     scale: float,
     split_kv: Any = None,
+    kv_quant: KVQuant | None = None,
 ) -> None:
     """TRITON_ATTN's forward with vToken on: the step's read over live tokens.
 
     `split_kv`: the step's TritonAttentionMetadata, whose split-KV (3D)
     buffers and threshold the read passes on, so decode at small batches takes
-    the same 2D/3D choice as stock.
+    the same 2D/3D choice as stock. `kv_quant`: an fp8 cache's type and
+    scales (`kv_quant_of`), which the read and the scoring apply as stock's
+    kernel does; None for a cache of the model's dtype.
 
     With `read.with_stock` vLLM's kernel has written every row already; the
     read overwrites the rows of the requests with a dead token.
     """
+    k_scale = v_scale = None
+    if kv_quant is not None:
+        if kv_cache.dtype != kv_quant.dtype:  # allocated as bytes (uint8)
+            kv_cache = kv_cache.view(kv_quant.dtype)
+        k_scale, v_scale = kv_quant.k_scale, kv_quant.v_scale
     plan = read.plan
     num_tokens, num_heads, head_dim = query.shape
     out = output.view(num_tokens, num_heads, head_dim)
@@ -79,6 +114,8 @@ def triton_forward(
             max_live_len=plan.max_live_len,
             scale=scale,
             split_kv=split_kv,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         if plan.rows is not None:
             out[plan.rows] = o
@@ -94,18 +131,25 @@ def triton_forward(
     )
     if score.num_tiles:
         mass = triton_attention_mass(
-            query, kv_cache, score, scale, read.scores.aggregate
+            query, kv_cache, score, scale, read.scores.aggregate, k_scale=k_scale
         )
         read.scores.add(score.positions, mass)
 
 
 def warm_up(
-    kv_cache: torch.Tensor, num_heads: int, scores: Any = None, split_kv: Any = None
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    scores: Any = None,
+    split_kv: Any = None,
+    kv_dtype: torch.dtype | None = None,
+    query_dtype: torch.dtype | None = None,
 ) -> None:
     """Compiles the token read's kernels at start-up (decode and prefill
     variants, decode's split-KV (3D) one too when `split_kv` holds vLLM's
     buffers, and the score kernel when `scores` are accumulated), so the first
-    requests do not stall on Triton compiles. Triton compiles a variant per
+    requests do not stall on Triton compiles. `kv_dtype`: an fp8 cache's
+    type (its kernels are other variants), read with unit scales here;
+    `query_dtype`: the model's (default: the cache's). Triton compiles a variant per
     integer argument equal to 1, divisible by 16, or neither (the batch's
     request and key counts): so 1, 2 and 16 requests of two keys, and one
     request of one key (a one-token prompt alone in its step), each with the
@@ -114,6 +158,11 @@ def warm_up(
     nothing of the engine's."""
     _, _, block, num_kv_heads, head_dim = kv_cache.shape
     stage = HostToDevice(kv_cache.device)
+    kv_quant = k_scale = None
+    if kv_dtype is not None:
+        one = torch.ones(1, dtype=torch.float32, device=kv_cache.device)
+        kv_quant, k_scale = KVQuant(kv_dtype, one, one), one
+    dtype = kv_cache.dtype if query_dtype is None else query_dtype
     decode = (None,) if split_kv is None else (None, split_kv)  # None: 2D
     runs = [
         (n, q, 2, s) for n in WARM_UP_SEQS for q, s in ((1, decode), (2, (None,)))
@@ -133,13 +182,19 @@ def warm_up(
         # passes a view of the fused QKV projection ((Hq + 2 Hkv) D a row),
         # or, compiled, possibly a contiguous one (Hq D): both.
         rows = num_q * num_seqs
-        fused = kv_cache.new_zeros(rows, num_heads + 2 * num_kv_heads, head_dim)
+        fused = kv_cache.new_zeros(
+            rows, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype
+        )
         for q in (fused[:, :num_heads], fused.new_zeros(rows, num_heads, head_dim)):
             for split in splits:
                 out = q.new_empty(q.shape)
-                triton_forward(_Read(plan, None), q, kv_cache, out, 1.0, split)
+                read = _Read(plan, None)
+                triton_forward(read, q, kv_cache, out, 1.0, split, kv_quant)
             if scores is not None:
-                triton_attention_mass(q, kv_cache, plan.score, 1.0, scores.aggregate)
+                cache = kv_cache if kv_dtype is None else kv_cache.view(kv_dtype)
+                triton_attention_mass(
+                    q, cache, plan.score, 1.0, scores.aggregate, k_scale=k_scale
+                )
 
 
 def split_kv_buffers(attn_groups: Any) -> Any:
@@ -208,6 +263,8 @@ def triton_token_attention(
     max_live_len: int,
     scale: float,
     split_kv: Any = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention over live tokens of a TRITON_ATTN cache (GPU).
 
@@ -229,6 +286,8 @@ def triton_token_attention(
         scale: softmax scale.
         split_kv: Optional TritonAttentionMetadata: its split-KV buffers let
             unified_attention take its 3D path (decode, few requests).
+        k_scale, v_scale: An fp8 cache's per-tensor scales (`KVQuant`),
+            passed as stock passes them; None for a cache of the model's dtype.
     """
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
@@ -236,6 +295,9 @@ def triton_token_attention(
     assert kv_cache.is_contiguous(), "triton_token_attention needs a contiguous cache"
     assert num_blocks * 2 * block < 2**31, "row ids of this cache overflow int32"
     rows = kv_cache.view(num_blocks * 2 * block, 1, heads, head_dim)
+    # As stock: a [requests, KV heads] view of the scale (its kernel reads
+    # the first element).
+    descale = (query_start_loc.numel() - 1, heads)
     unified_attention(
         q=query,
         k=rows,
@@ -251,8 +313,8 @@ def triton_token_attention(
         block_table=token_table,
         softcap=0,
         q_descale=None,
-        k_descale=None,
-        v_descale=None,
+        k_descale=None if k_scale is None else k_scale.expand(descale),
+        v_descale=None if v_scale is None else v_scale.expand(descale),
         **{name: getattr(split_kv, name, None) for name in SPLIT_KV},
     )
 

@@ -104,6 +104,16 @@ def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
             )
 
 
+def fp8_cache_dtype(vllm_config: VllmConfig) -> torch.dtype | None:
+    """The type TRITON_ATTN views an fp8 KV cache's bytes as (the
+    platform's fp8 type, as its stock forward does), or None."""
+    if not vllm_config.cache_config.cache_dtype.startswith("fp8"):
+        return None
+    from vllm.platforms import current_platform
+
+    return current_platform.fp8_dtype()
+
+
 def assert_attention_splits_graphs(vllm_config: VllmConfig) -> None:
     """GPU: CUDA graphs must run attention eagerly (a splitting op), or a
     graph would replay vLLM's read of every block, freed ones included. The
@@ -157,7 +167,14 @@ class VTokenWorker:
             )
             # Query heads per KV head: the score kernel's tiles are sized by it.
             self._group = heads // kv_caches[0].shape[3]
-            warm_up(kv_caches[0], heads, self.scores, split_kv_buffers(attn_groups))
+            warm_up(
+                kv_caches[0],
+                heads,
+                self.scores,
+                split_kv_buffers(attn_groups),
+                kv_dtype=fp8_cache_dtype(vllm_config),
+                query_dtype=vllm_config.model_config.dtype,
+            )
             if token_table is None:  # no profile run: nothing to size around
                 token_table = self.reserve_token_table(vllm_config, device)
                 logger.warning(
