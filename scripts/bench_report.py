@@ -649,8 +649,8 @@ def gpu_compile_section(d: dict, img: str = "") -> list[str]:
         "split-KV 3D with its reduce; scoring, each mode and aggregate; the KV "
         "copy) compiled to a cubin per CUDA target by Triton's compiler, "
         "launching nothing. Shape: query heads / KV heads / head size "
-        "(bf16 unless named; fp8: an e4m3 cache with its scales and bf16 "
-        "queries, from sm_89 only, where Triton reads e4m3). Per kernel: "
+        "(bf16 unless named; fp8: an e4m3 cache, the fp8 queries CUDA hands "
+        "it and bf16 output, from sm_89 only, where Triton reads e4m3). Per kernel: "
         "registers a thread (ptxas) / shared "
         "memory KiB (variants compiled), and bytes spilled where any. What a "
         "GPU must still measure: time, occupancy in use, bandwidth.",

@@ -123,7 +123,7 @@ def launch_warm_up(shape: str) -> None:
         dtype=torch.uint8 if fp8 else getattr(torch, dtype or "bfloat16"),
     )  # fmt: skip
     kv_dtype = torch.float8_e4m3fn if fp8 else None
-    query_dtype = torch.bfloat16 if fp8 else None
+    model_dtype = torch.bfloat16 if fp8 else None
     rows = 128 // h  # TritonAttentionMetadataBuilder's seq_threshold_3D
     split = SimpleNamespace(  # its split-KV buffers
         seq_threshold_3D=rows,
@@ -134,7 +134,8 @@ def launch_warm_up(shape: str) -> None:
     )
     for aggregate, window in (("mean", None), ("max", None), ("mean", 8)):
         scores = SimpleNamespace(aggregate=aggregate, query_window=window)
-        warm_up(kv, hq, scores, split, kv_dtype, query_dtype)
+        # CUDA quantizes an fp8 cache's query (vLLM's query_quant).
+        warm_up(kv, hq, scores, split, kv_dtype, model_dtype, fp8_query=fp8)
     TritonKVSlotCopier([kv], block).copy(torch.arange(2), torch.arange(2, 4))
 
 

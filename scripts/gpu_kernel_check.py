@@ -148,10 +148,12 @@ def make_batch(c, seq, qlen, dtype=None, B=16, heads=None):
     )  # fmt: skip
 
 
-def fp8_batch(b):
+def fp8_batch(b, fp8_query=False):
     """Batch `b` with its cache in fp8 (e4m3, per-tensor K and V scales) as
     vLLM allocates it (bytes), its `quant` as patch 0080 passes it, and the
-    dequantized values (`deq`) for the float64 references."""
+    keys as the kernels multiply them (`deq`, for the float64 references);
+    `fp8_query`: the query quantized to fp8 too, as CUDA hands it (vLLM's
+    query_quant), against which vLLM's kernel reads the keys unscaled."""
     from vllm.vtoken.triton_attention import KVQuant
 
     f8, cache = torch.float8_e4m3fn, b["cache"]
@@ -160,8 +162,12 @@ def fp8_batch(b):
     deq = torch.empty_like(cache)
     for kv, s in enumerate(scales):
         x = (cache[:, kv].float() / s).to(f8)
-        raw[:, kv], deq[:, kv] = x.view(torch.uint8), (x.float() * s).to(cache.dtype)
-    return dict(b, cache=raw, deq=deq, quant=KVQuant(f8, *scales))
+        raw[:, kv] = x.view(torch.uint8)
+        deq[:, kv] = (x.float() * (1.0 if fp8_query else s)).to(cache.dtype)
+    out = dict(b, cache=raw, deq=deq, quant=KVQuant(f8, *scales))
+    if fp8_query:
+        out["q"] = b["q"].to(f8)
+    return out
 
 
 def stock_read(b, out):
@@ -282,16 +288,24 @@ def check_copy(c):
 
 def check_read(c):
     res = {}
-    runs = [(name, seq, ql, None) for name, (seq, ql) in c.read.items()]
+    # (name, seq, qlen, how: None, "split" or rows written, fp8: None, "fp8"
+    # (the cache fp8 with its scales, queries of the model's dtype: ROCm) or
+    # "fp8q" (the query quantized to fp8 too, as CUDA hands it))
+    runs = [(name, seq, ql, None, None) for name, (seq, ql) in c.read.items()]
     seq, ql = c.read["decode"]
     half = np.arange(len(seq)) % 2 == 0
-    runs += [("decode_split_kv", seq, ql, "split"), ("decode_mixed", seq, ql, half)]
-    runs += [(f"{name}_fp8", *c.read[name], "fp8") for name in ("decode", "prefill")]
-    for name, seq, ql, how in runs:
+    runs += [("decode_split_kv", seq, ql, "split", None)]
+    runs += [("decode_mixed", seq, ql, half, None)]
+    for fp8 in ("fp8", "fp8q"):
+        runs += [(f"{n}_{fp8}", *c.read[n], None, fp8) for n in ("decode", "prefill")]
+    runs += [("decode_mixed_fp8q", seq, ql, half, "fp8q")]
+    for name, seq, ql, how, fp8 in runs:
         b = make_batch(c, seq, ql)
-        if isinstance(how, str) and how == "fp8":  # one fp8 cache, its scales
-            b, how = fp8_batch(b), None
-        want, got = torch.zeros_like(b["q"]), torch.zeros_like(b["q"])
+        if fp8 is not None:
+            b = fp8_batch(b, fp8_query=fp8 == "fp8q")
+        # The output in the model's dtype (an fp8 query's too).
+        want = torch.zeros(b["q"].shape, dtype=c.dt, device=c.dev)
+        got = torch.zeros_like(want)
         stock_read(b, want)
         if isinstance(how, str):  # decode on vLLM's 3D path (patch 0080 passes it)
             md = split_kv(b)
@@ -317,12 +331,14 @@ def check_score(c):
 
     res = {}
     runs = list(itertools.product((c.heads, c.wide), (torch.float32, c.dt), [0]))
-    runs += [(c.heads, torch.float32, 1), (c.heads, c.dt, 1)]  # an fp8 cache
+    # An fp8 cache: queries of the model's dtype (its keys dequantized), and
+    # an fp8 query (CUDA's; the keys as they are), as vLLM's kernel reads them.
+    runs += [(c.heads, torch.float32, 1), (c.heads, c.dt, 1), (c.heads, c.dt, 2)]
     for heads, dt, fp8 in runs:
         b = make_batch(c, *c.score, dtype=dt, heads=heads)
         cache, k_scale = b["cache"], None
-        if fp8:  # the kernel reads the bytes as e4m3 times the scale
-            b = fp8_batch(b)
+        if fp8:
+            b = fp8_batch(b, fp8_query=fp8 == 2)
             cache, k_scale = b["cache"].view(b["quant"].dtype), b["quant"].k_scale
         group = heads[0] // heads[1]
         for aggregate in ("mean", "max"):
@@ -336,7 +352,8 @@ def check_score(c):
                 want = dense_mass64(b, aggregate, window)
                 err = ((got - want).abs() / (1 + want.abs())).max().item()
                 ok = err <= (1e-5 if dt == torch.float32 else 2e-3)
-                key = f"g{group}_{str(dt)[6:]}{'_fp8' * fp8}_{aggregate}_w{window}"
+                kind = ["", "_fp8", "_fp8q"][fp8]
+                key = f"g{group}_{str(dt)[6:]}{kind}_{aggregate}_w{window}"
                 res[key] = dict(rel_err=err, ok=ok)
     res["ok"] = all(v["ok"] for v in res.values())
     return res

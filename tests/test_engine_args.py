@@ -197,29 +197,61 @@ def test_an_fp8_kv_cache_is_refused_on_cpu():
 
 
 @pytest.mark.parametrize(
-    "cache_dtype, on_gpu, capability, refused",
+    "cache_dtype, on_gpu, has_fp8, refused",
     [
-        ("auto", False, None, None),
-        ("auto", True, 80, None),
-        ("fp8", True, 90, None),  # TRITON_ATTN's read takes the layers' scales
-        ("fp8_e4m3", True, 89, None),
-        ("fp8", True, None, None),  # not known: Triton's compile says
-        ("fp8", True, 80, "capability 8.9 and later (this GPU: 8.0)"),
-        ("fp8", False, None, "CPU attention has no fp8"),
-        ("fp8_e4m3", False, None, "CPU attention has no fp8"),
-        ("fp8_e5m2", True, 90, "e4m3 fp8 caches"),
-        ("fp8_inc", True, 90, "e4m3 fp8 caches"),
-        ("bfloat16", True, 90, "leave it auto"),
-        ("float16", False, None, "leave it auto"),
+        ("auto", False, False, None),
+        ("auto", True, False, None),
+        ("fp8", True, True, None),  # TRITON_ATTN's read takes the layers' scales
+        ("fp8_e4m3", True, True, None),
+        ("fp8", True, False, "GPUs with fp8 only (CUDA: compute capability 8.9"),
+        ("fp8", False, False, "CPU attention has no fp8"),
+        ("fp8_e4m3", False, False, "CPU attention has no fp8"),
+        ("fp8_e5m2", True, True, "e4m3 fp8 caches"),
+        ("fp8_inc", True, True, "e4m3 fp8 caches"),
+        ("bfloat16", True, True, "leave it auto"),
+        ("float16", False, False, "leave it auto"),
     ],
 )
-def test_the_kv_cache_dtypes_the_read_takes(cache_dtype, on_gpu, capability, refused):
+def test_the_kv_cache_dtypes_the_read_takes(cache_dtype, on_gpu, has_fp8, refused):
     """The start-up check's table (its CPU refusal through the engine
     arguments above; GPU platforms cannot be built here)."""
     from vllm.vtoken.config import cache_dtype_refused
 
-    why = cache_dtype_refused(cache_dtype, on_gpu, capability)
+    why = cache_dtype_refused(cache_dtype, on_gpu, has_fp8)
     assert why is None if refused is None else refused in why
+
+
+def test_the_worker_reads_an_fp8_cache_as_its_layers_do():
+    """The warm-up's fp8 variants from the attention layers themselves (a
+    checkpoint's kv_cache_scheme sets their cache dtype past the flag's
+    check): the cache's type, and whether CUDA hands them an fp8 query."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm.vtoken.worker import fp8_read_of
+
+    def config(kv_cache_dtype, query_quant, takes_fp8_query=True):
+        impl = SimpleNamespace(
+            kv_cache_dtype=kv_cache_dtype,
+            fp8_dtype=torch.float8_e4m3fn,
+            supports_quant_query_input=takes_fp8_query,
+        )
+        layers = {
+            "model.layers.0.mlp": SimpleNamespace(),  # not attention
+            "model.layers.0.attn": SimpleNamespace(impl=impl, query_quant=query_quant),
+        }
+        return SimpleNamespace(
+            compilation_config=SimpleNamespace(static_forward_context=layers)
+        )
+
+    f8 = torch.float8_e4m3fn
+    assert fp8_read_of(config("auto", None), True) == (None, False)
+    assert fp8_read_of(config("auto", None), False) == (None, False)
+    assert fp8_read_of(config("fp8", object()), True) == (f8, True)  # CUDA
+    assert fp8_read_of(config("fp8", None, False), True) == (f8, False)  # ROCm
+    with pytest.raises(ValueError, match="GPUs with fp8 only"):
+        fp8_read_of(config("fp8", object()), False)
 
 
 def test_a_block_size_not_a_power_of_two_is_refused():

@@ -104,9 +104,13 @@ def step(scores, qlens, extra_keys, write):  # reads kv and quant
         scored=scores is not None, score_query_window=window,
         score_group=hq // h, stage=stage,
     )
-    # As vLLM passes it: a view of the fused QKV projection.
-    q = torch.zeros(int(qsl[-1]), hq + 2 * h, d, dtype=torch.bfloat16)[:, :hq]
-    out = torch.empty_like(q)
+    # As vLLM passes it: a view of the fused QKV projection; for an fp8
+    # cache, the query CUDA quantized to fp8 (contiguous). Output: bf16.
+    t = int(qsl[-1])
+    q = torch.zeros(t, hq + 2 * h, d, dtype=torch.bfloat16)[:, :hq]
+    if quant is not None:
+        q = torch.zeros(t, hq, d, dtype=quant.dtype)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
     triton_forward(_Read(plan, None), q, kv, out, d**-0.5, split, quant)
     if scores is not None and plan.score.num_tiles:
         cache, k_scale = kv, None
@@ -126,7 +130,8 @@ for kv, kv_dtype in ((bf16, None), fp8):
         ScoreAccumulator("window", query_window=8),
     ):
         COMPILED.clear()
-        warm_up(kv, hq, scores, split, kv_dtype, torch.bfloat16)
+        fp8_query = kv_dtype is not None  # CUDA's query_quant
+        warm_up(kv, hq, scores, split, kv_dtype, torch.bfloat16, fp8_query)
         warm = {c[2] for c in COMPILED}
         for qlens in steps:
             r = len(qlens)

@@ -45,8 +45,10 @@ def test_gpu_kernel_check_runs_tiny_on_cpu(tmp_path):
     assert all(report["copy"][t]["exact"] for t in ("bfloat16", "uint8"))
     assert set(report["read"]) >= {
         "decode", "prefill", "chunked", "decode_split_kv", "decode_mixed",
-        "decode_fp8", "prefill_fp8",
+        "decode_fp8", "prefill_fp8", "decode_fp8q", "prefill_fp8q",
+        "decode_mixed_fp8q",
     }  # fmt: skip
     assert {
-        "g3_float32_mean_wNone", "g16_float32_mean_wNone", "g3_float32_fp8_max_w8"
+        "g3_float32_mean_wNone", "g16_float32_mean_wNone", "g3_float32_fp8_max_w8",
+        "g3_float16_fp8q_mean_wNone",
     } <= set(report["score"])  # fmt: skip

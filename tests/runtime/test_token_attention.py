@@ -539,11 +539,14 @@ _FP8_WARM_UP_CHILD = """
     from vllm.vtoken.scores import ScoreAccumulator
     from vllm.vtoken.triton_attention import warm_up
 
-    # An fp8 cache as vLLM allocates it (bytes; no NaN encodings), fp32 queries.
+    # An fp8 cache as vLLM allocates it (bytes; no NaN encodings); queries
+    # in the model's dtype (ROCm) or quantized to fp8 (CUDA's query_quant).
     raw = torch.randint(0, 120, (4, 2, 16, 2, 32), dtype=torch.uint8)
     before = raw.clone()
     for scores in (None, ScoreAccumulator("sum")):
-        warm_up(raw, 4, scores, None, torch.float8_e4m3fn, torch.float32)
+        for fp8_query in (False, True):
+            warm_up(raw, 4, scores, None, torch.float8_e4m3fn, torch.float32,
+                    fp8_query)
     assert torch.equal(raw, before), "the warm-up wrote the cache"
     print("FP8-WARM-UP-OK")
 """
@@ -551,8 +554,8 @@ _FP8_WARM_UP_CHILD = """
 
 def test_the_warm_up_reads_an_fp8_cache_under_interpreter():
     """The worker's start-up warm-up over an fp8 cache (its bytes, read as
-    e4m3 with unit scales): the read and the score kernel run, and the
-    cache is left as it was."""
+    e4m3 with unit scales), with queries of the model's dtype and fp8 ones:
+    the read and the score kernel run, and the cache is left as it was."""
     run_under_interpreter(_FP8_WARM_UP_CHILD, "FP8-WARM-UP-OK")
 
 

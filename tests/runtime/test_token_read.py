@@ -168,6 +168,93 @@ def test_an_fp8_cache_is_read_with_its_scales_under_interpreter():
     run_under_interpreter(_FP8, "FP8-READ-OK")
 
 
+_FP8_BACKEND = (
+    _SETUP
+    + """
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    from vllm.vtoken.context import set_token_read
+    from vllm.vtoken.triton_attention import KVQuant, attention_mass
+
+    # CUDA's way with an fp8 cache: its bytes (uint8) and scales, and the
+    # query quantized to fp8 before the backend (vLLM's query_quant, q_scale
+    # 1); the output in the model's dtype.
+    f8 = torch.float8_e4m3fn
+    k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.02])
+    k8, v8 = (k / k_scale).to(f8), (v / v_scale).to(f8)
+    raw = torch.zeros(N, 2, B, H, D, dtype=torch.uint8)
+    raw[n, 0, b], raw[n, 1, b] = k8.view(torch.uint8), v8.view(torch.uint8)
+    q8 = q.to(f8)
+    layer = SimpleNamespace(_k_scale=k_scale, _v_scale=v_scale, _q_scale_float=1.0)
+    impl = TritonAttentionImpl(Hq, D, D ** -0.5, H, None, None, "fp8")
+    T = len(q)
+    md = SimpleNamespace(  # the stock kernel's: positional pages (any here)
+        use_cascade=False, num_actual_tokens=T,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        max_query_len=max(q_lens), max_seq_len=max(lens),
+        block_table=torch.arange(3 * 3, dtype=torch.int32).view(3, 3),
+        seq_threshold_3D=None, num_par_softmax_segments=None,
+        softmax_segm_output=None, softmax_segm_max=None,
+        softmax_segm_expsum=None, mm_prefix_range_tensor=None,
+    )
+
+    def forward(write=None, direct=False, read_on=True):
+        scores = ScoreAccumulator("sum")
+        scores.begin_step(len(slots))
+        plan = build_triton_read_plan(qsl, indptr, slots, B, write, scored=True,
+                                      score_group=Hq // H)
+        stock = write is not None and not write.all()
+        read = TokenRead(query_start_loc=qsl, kv_indptr=indptr, kv_slots=slots,
+                         plan=plan, scores=scores, with_stock=stock)
+        out = torch.full((T, Hq, D), 7.0)
+        if direct:  # the overlay's read alone, with the quant spelled out
+            quant = KVQuant(f8, k_scale, v_scale)
+            triton_forward(read, q8, raw, out, D ** -0.5, kv_quant=quant)
+        else:  # the patched backend (0080), which must hand the read its quant
+            set_token_read(read if read_on else None)
+            try:
+                impl.forward(layer, q8, None, None, raw, md, out)
+            finally:
+                set_token_read(None)
+        fold(scores, indptr, qsl, 1.0 * Hq)
+        return out, np.concatenate([scores.scores(r, np.arange(m))
+                                    for r, m in zip("abc", lens)])
+
+    want = forward(direct=True)
+    got = forward()  # every request read: the backend returns early
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    np.testing.assert_array_equal(got[1], want[1])
+    # Request 1 keeps the stock output; the others are read (the stock
+    # kernel first, then the read over its rows, in the model's dtype).
+    write = np.array([True, False, True])
+    mixed, stock = forward(write), forward(write, read_on=False)
+    rows = torch.from_numpy(np.repeat(write, q_lens))
+    torch.testing.assert_close(mixed[0][rows], want[0][rows], atol=0, rtol=0)
+    torch.testing.assert_close(mixed[0][~rows], stock[0][~rows], atol=0, rtol=0)
+    np.testing.assert_array_equal(mixed[1], want[1])  # request 1 scored still
+    # Scored as stock's kernel attends: fp8 keys against the fp8 query as
+    # they are (its scales apply to a query of the model's dtype only).
+    ref = []
+    for r in range(3):
+        qr, kr = q8[qsl[r]:qsl[r + 1]].float(), k8[indptr[r]:indptr[r + 1]].float()
+        ref.append(attention_mass(qr, kr, D ** -0.5).numpy() / Hq)
+    np.testing.assert_allclose(want[1], np.concatenate(ref), atol=1e-5, rtol=1e-5)
+    print("FP8-BACKEND-OK")
+"""
+)
+
+
+def test_the_patched_backend_reads_an_fp8_cache_as_cuda_hands_it_under_interpreter():
+    """Patch 0080's TRITON_ATTN forward over an fp8 cache, with the query
+    CUDA quantizes to fp8 for it: the read (every request, and some beside
+    the stock kernel's output) equals the overlay's with the cache's quant
+    spelled out, its output rows in the model's dtype, and the masses are
+    those of stock's arithmetic (fp8 keys against the fp8 query)."""
+    run_under_interpreter(_FP8_BACKEND, "FP8-BACKEND-OK", timeout=300)
+
+
 def test_kv_quant_of_reads_stock_s_fp8_settings():
     from types import SimpleNamespace
 

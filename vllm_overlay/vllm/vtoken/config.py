@@ -49,26 +49,24 @@ ReclaimMode = Literal["naive", "vtoken"]
 # fp8 cache in the platform's e4m3 type, on TRITON_ATTN, with the layers'
 # scales (triton_attention.KVQuant). The KV copy moves bytes: any dtype.
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-# Triton converts e4m3 on compute capability 8.9 (Ada, Hopper) and later.
-FP8_FROM_CAPABILITY = 89
 
 
 def cache_dtype_refused(
-    cache_dtype: str, on_gpu: bool, capability: int | None = None
+    cache_dtype: str, on_gpu: bool, gpu_has_fp8: bool = True
 ) -> str | None:
     """Why vToken refuses `--kv-cache-dtype cache_dtype` on a CUDA-alike
-    platform of compute `capability` (90: H100; None: not known) when
-    `on_gpu`, else on CPU; None when it takes it."""
+    platform (`on_gpu`; `gpu_has_fp8`: vLLM's current_platform.supports_fp8(),
+    on CUDA compute capability 8.9 and later, where Triton reads e4m3) or
+    on CPU; None when it takes it."""
     if cache_dtype == "auto":
         return None
     if cache_dtype in FP8_CACHE_DTYPES:
         if not on_gpu:
             return "vLLM's CPU attention has no fp8 KV cache"
-        if capability is not None and capability < FP8_FROM_CAPABILITY:
+        if not gpu_has_fp8:
             return (
-                "the token read's Triton kernels read e4m3 on compute "
-                f"capability 8.9 and later (this GPU: {capability // 10}."
-                f"{capability % 10})"
+                "the token read's Triton kernels read e4m3 on GPUs with fp8 "
+                "only (CUDA: compute capability 8.9 and later)"
             )
         return None
     if cache_dtype.startswith("fp8"):
@@ -241,14 +239,14 @@ class VTokenConfig:
             )
         if envs.VLLM_USE_V2_MODEL_RUNNER:
             refuse("VLLM_USE_V2_MODEL_RUNNER=1", "vToken hooks the V1 model runner")
-        on_gpu, capability = current_platform.is_cuda_alike(), None
-        if on_gpu and (cap := current_platform.get_device_capability()) is not None:
-            capability = cap.to_int()
-        why = cache_dtype_refused(
-            vllm_config.cache_config.cache_dtype, on_gpu, capability
-        )
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        on_gpu = current_platform.is_cuda_alike()
+        # (supports_fp8 may read the device: asked for an fp8 cache only.)
+        has_fp8 = on_gpu and cache_dtype in FP8_CACHE_DTYPES
+        has_fp8 = has_fp8 and current_platform.supports_fp8()
+        why = cache_dtype_refused(cache_dtype, on_gpu, has_fp8)
         if why is not None:
-            refuse(f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}", why)
+            refuse(f"--kv-cache-dtype {cache_dtype}", why)
         block = vllm_config.cache_config.block_size
         if block is not None and block & (block - 1):
             refuse(

@@ -264,8 +264,9 @@ def triton_attention_mass(
             [Hq, their keys] scratch, then its max: one reduce more).
         block_n: Keys per inner tile.
         k_scale: An fp8 cache's K scale (float32, one element, on the
-            device): its keys are dequantized as vLLM's kernel does. None
-            for a cache of the model's dtype.
+            device): its keys are read as vLLM's kernel reads them (as they
+            are against an fp8 query, else dequantized). None for a cache
+            of the model's dtype.
 
     Returns:
         float32 [K]: mass of key kv_slots[j], summed over counted query rows.

@@ -5,8 +5,8 @@ Kept apart so that the CPU path (score_kernel's torch code) imports without
 Triton. Grid (num_tiles, Hkv): program (t, h) takes tile t's query rows (one
 request) times the G query heads of KV head h as the rows of its [BLOCK_M, D]
 query block, like vLLM's unified attention, and reads the request's keys
-through `kv_slots` from the [N, 2, B, H, D] cache (K half; fp8 keys times
-the layer's K scale, FP8):
+through `kv_slots` from the [N, 2, B, H, D] cache (K half; fp8 keys as
+vLLM's kernel reads them, FP8):
 
     pass 1   online max and sum of exp over the visible keys -> lse per row
     pass 2   p = exp(s - lse), summed over the block's rows -> atomic add into
@@ -59,9 +59,13 @@ def _logits(
         mask=kmask[None, :] & (offs_d[:, None] < HEAD_DIM),
         other=0.0,
     )  # [D_PAD, BLOCK_N]
-    if FP8:  # dequantized as vLLM's unified attention does
-        kt = kt.to(tl.float32) * tl.load(k_scale_ptr)
-    kt = kt.to(q.dtype)
+    # As vLLM's unified attention: fp8 keys meet an fp8 query as they are
+    # (CUDA quantizes the query for an fp8 cache), another query dequantized.
+    if FP8:
+        if not q.dtype.is_fp8():
+            kt = (kt.to(tl.float32) * tl.load(k_scale_ptr)).to(q.dtype)
+    else:
+        kt = kt.to(q.dtype)
     if IEEE:  # fp32 inputs: no TF32, the scores must match fp64 to 1e-5
         s = tl.dot(q, kt, input_precision="ieee")
     else:

@@ -101,8 +101,12 @@ def triton_forward(
     num_tokens, num_heads, head_dim = query.shape
     out = output.view(num_tokens, num_heads, head_dim)
     if plan.token_table is not None:
-        q = query if plan.rows is None else query[plan.rows]
-        o = out if plan.rows is None else torch.empty_like(q)
+        q, o = query, out
+        if plan.rows is not None:
+            q = _rows_of(query, plan.rows)
+            # The model's dtype: on CUDA an fp8 cache's query is fp8 already
+            # (vLLM's query_quant), its output is not.
+            o = out.new_empty(q.shape)
         triton_token_attention(
             q,
             kv_cache,
@@ -136,20 +140,31 @@ def triton_forward(
         read.scores.add(score.positions, mass)
 
 
+def _rows_of(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows], an fp8 tensor's through its bytes (a gather of any 1-byte
+    type)."""
+    if x.element_size() != 1:
+        return x[rows]
+    return x.view(torch.uint8)[rows].view(x.dtype)
+
+
 def warm_up(
     kv_cache: torch.Tensor,
     num_heads: int,
     scores: Any = None,
     split_kv: Any = None,
     kv_dtype: torch.dtype | None = None,
-    query_dtype: torch.dtype | None = None,
+    model_dtype: torch.dtype | None = None,
+    fp8_query: bool = False,
 ) -> None:
     """Compiles the token read's kernels at start-up (decode and prefill
     variants, decode's split-KV (3D) one too when `split_kv` holds vLLM's
     buffers, and the score kernel when `scores` are accumulated), so the first
     requests do not stall on Triton compiles. `kv_dtype`: an fp8 cache's
     type (its kernels are other variants), read with unit scales here;
-    `query_dtype`: the model's (default: the cache's). Triton compiles a variant per
+    `model_dtype`: the query's and the output's (default: the cache's);
+    `fp8_query`: the query comes quantized to `kv_dtype` (vLLM's query_quant,
+    CUDA with an fp8 cache: `worker.fp8_read_of`). Triton compiles a variant per
     integer argument equal to 1, divisible by 16, or neither (the batch's
     request and key counts): so 1, 2 and 16 requests of two keys, and one
     request of one key (a one-token prompt alone in its step), each with the
@@ -162,7 +177,8 @@ def warm_up(
     if kv_dtype is not None:
         one = torch.ones(1, dtype=torch.float32, device=kv_cache.device)
         kv_quant, k_scale = KVQuant(kv_dtype, one, one), one
-    dtype = kv_cache.dtype if query_dtype is None else query_dtype
+    model_dtype = kv_cache.dtype if model_dtype is None else model_dtype
+    query_dtype = kv_dtype if fp8_query else model_dtype
     decode = (None,) if split_kv is None else (None, split_kv)  # None: 2D
     runs = [
         (n, q, 2, s) for n in WARM_UP_SEQS for q, s in ((1, decode), (2, (None,)))
@@ -183,11 +199,11 @@ def warm_up(
         # or, compiled, possibly a contiguous one (Hq D): both.
         rows = num_q * num_seqs
         fused = kv_cache.new_zeros(
-            rows, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype
+            rows, num_heads + 2 * num_kv_heads, head_dim, dtype=query_dtype
         )
         for q in (fused[:, :num_heads], fused.new_zeros(rows, num_heads, head_dim)):
             for split in splits:
-                out = q.new_empty(q.shape)
+                out = q.new_empty(q.shape, dtype=model_dtype)
                 read = _Read(plan, None)
                 triton_forward(read, q, kv_cache, out, 1.0, split, kv_quant)
             if scores is not None:

@@ -104,14 +104,29 @@ def refuse_unsupported_attention(vllm_config: VllmConfig) -> None:
             )
 
 
-def fp8_cache_dtype(vllm_config: VllmConfig) -> torch.dtype | None:
-    """The type TRITON_ATTN views an fp8 KV cache's bytes as (the
-    platform's fp8 type, as its stock forward does), or None."""
-    if not vllm_config.cache_config.cache_dtype.startswith("fp8"):
-        return None
-    from vllm.platforms import current_platform
-
-    return current_platform.fp8_dtype()
+def fp8_read_of(
+    vllm_config: VllmConfig, gpu_has_fp8: bool
+) -> tuple[torch.dtype | None, bool]:
+    """(kv_dtype, fp8_query) of the model's TRITON_ATTN layers: the type
+    their fp8 KV cache's bytes are read as (None: the model's dtype), from
+    the layers themselves, as a checkpoint's kv_cache_scheme may set it
+    past the start-up check of --kv-cache-dtype (hence refused here too on
+    a GPU without fp8, `gpu_has_fp8` False); and whether vLLM hands them the
+    query quantized to fp8 (Attention.query_quant, CUDA), as the read's
+    kernels then see it."""
+    layers = vllm_config.compilation_config.static_forward_context.values()
+    for layer in layers:
+        impl = getattr(layer, "impl", None)
+        if not str(getattr(impl, "kv_cache_dtype", "")).startswith("fp8"):
+            continue
+        if not gpu_has_fp8:
+            raise ValueError(
+                "vToken's token read takes an fp8 KV cache on GPUs with fp8 "
+                "only (CUDA: compute capability 8.9 and later)"
+            )
+        quant = getattr(layer, "query_quant", None) is not None
+        return impl.fp8_dtype, quant and impl.supports_quant_query_input
+    return None, False
 
 
 def assert_attention_splits_graphs(vllm_config: VllmConfig) -> None:
@@ -167,13 +182,19 @@ class VTokenWorker:
             )
             # Query heads per KV head: the score kernel's tiles are sized by it.
             self._group = heads // kv_caches[0].shape[3]
+            from vllm.platforms import current_platform
+
+            kv_dtype, fp8_query = fp8_read_of(
+                vllm_config, current_platform.supports_fp8()
+            )
             warm_up(
                 kv_caches[0],
                 heads,
                 self.scores,
                 split_kv_buffers(attn_groups),
-                kv_dtype=fp8_cache_dtype(vllm_config),
-                query_dtype=vllm_config.model_config.dtype,
+                kv_dtype=kv_dtype,
+                model_dtype=vllm_config.model_config.dtype,
+                fp8_query=fp8_query,
             )
             if token_table is None:  # no profile run: nothing to size around
                 token_table = self.reserve_token_table(vllm_config, device)
