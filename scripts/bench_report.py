@@ -640,6 +640,39 @@ GPU_KERNELS = (
 )
 
 
+# Kernels a row of the kernels table names, the costliest first.
+TOP_KERNELS = 6
+
+
+def kernels_section(d: dict, img: str) -> list[str]:
+    out = table_head(
+        "Where a step's host time goes, kernel by kernel",
+        f"`{d['command']}` ({d['date']}). The scale table's workload (a "
+        f"dummy-weight two-layer Llama, random prompts of {d['prompt_len']} "
+        f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode) "
+        "with every call of the overlay's compiled kernels from Python timed "
+        "in-engine (the driver's `time_kernels`; ~0.5 µs a call more, so the "
+        "host time runs a little above the scale table's); medians over the "
+        f"steps where every request runs, then over {d['repeats']} run(s). "
+        "Kernels: their share of vToken's host time; glue: the rest (the "
+        "hooks' Python and NumPy calls); quiet: the steps that plan no "
+        f"compaction. The {TOP_KERNELS} costliest kernels a step, µs.",
+        {"running": "r", "policy": "l", "host µs": "r", "kernels µs": "r"}
+        | {"glue µs": "r", "quiet: host / kernels µs": "r"}
+        | {"costliest kernels, µs a step": "l"},
+    )
+    for key, r in d["rows"].items():
+        n, policy = key.split("/")
+        top = sorted(r["kernel_us"].items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+        names = ", ".join(f"`{k.split('.')[-1]}` {us:.0f}" for k, us in top)
+        out.append(
+            f"| {int(n):,} | {policy} | {r['host_us']:.0f} | {r['kernels_us']:.0f} "
+            f"| {r['host_us'] - r['kernels_us']:.0f} "
+            f"| {r['quiet_host_us']:.0f} / {r['quiet_kernels_us']:.0f} | {names} |"
+        )
+    return out + [""]
+
+
 def gpu_compile_section(d: dict, img: str = "") -> list[str]:
     out = [
         "## GPU kernels, compiled without a GPU",
@@ -682,6 +715,7 @@ SECTIONS = [
     ("prefix", prefix_section),
     ("quality", quality_section),
     ("scale", scale_section),
+    ("kernels", kernels_section),
     ("eviction*", eviction_section),
     ("kernel*", kernel_section),
     ("history", history_section),

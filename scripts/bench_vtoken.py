@@ -877,6 +877,68 @@ def taking_turns(args, alternate: dict, calls: str) -> dict:
     }
 
 
+def kernels_run(run: dict, n: int) -> dict:
+    """One time_kernels run over its steady steps (`steady`): vToken's host
+    time a step, the compiled kernels' share of it and each kernel's (µs,
+    medians of each step's growth of the running totals; a kernel a step
+    never called is left out), and the quiet steps' (no plan) apart."""
+    pairs = list(itertools.pairwise(steady(run, n)))
+    names = pairs[0][0]["kernel_ns"] if pairs else {}
+    per = {k: [b["kernel_ns"][k] - a["kernel_ns"][k] for a, b in pairs] for k in names}
+    total = [sum(v) for v in zip(*per.values(), strict=True)]
+    host = per_step(run, n, "vtoken_ns")
+    quiet = [p == 0 for p in per_step(run, n, "plan_calls")]
+
+    def median_us(ns, steps=None) -> float:
+        ns = list(ns if steps is None else itertools.compress(ns, steps))
+        return 1e-3 * statistics.median(ns) if ns else 0.0
+
+    return {
+        "host_us": median_us(host),
+        "kernels_us": median_us(total),
+        "quiet_host_us": median_us(host, quiet),
+        "quiet_kernels_us": median_us(total, quiet),
+        "kernel_us": {k: 1e-3 * statistics.median(v) for k, v in per.items() if any(v)},
+    }
+
+
+def cmd_kernels(args) -> dict:
+    """Where vToken's host time goes, kernel by kernel: every Python-level
+    call of the overlay's compiled kernels timed in-engine (the driver's
+    "time_kernels"), on the scale benchmark's workload (--batches requests
+    at once of --prompt-len random tokens, a dummy-weight --model,
+    --gen-len generated, --budget); medians over the steady steps
+    (kernels_run), then over --repeats runs. What is not in a kernel is the
+    hooks' glue: their Python and NumPy calls."""
+    out = {}
+    for n in args.batches:
+        eng = all_at_once(args, n)
+        src = {"n": n, "min_tokens": 0, "max_tokens": args.prompt_len}
+        spec = {"random": src, "max_tokens": args.gen_len, "light": True}
+        runs: dict[str, list] = {}
+        for _, policy in in_turns(args.repeats, args.policies):
+            extra = policy_args(policy, args.budget, "vtoken")
+            run = run_driver({"engine": {**eng, **extra}, **spec, "time_kernels": True})
+            runs.setdefault(policy, []).append(kernels_run(run, n))
+        for policy, mine in runs.items():
+            row = {
+                k: statistics.median(r[k] for r in mine)
+                for k in ("host_us", "kernels_us", "quiet_host_us", "quiet_kernels_us")
+            }
+            names = set().union(*(r["kernel_us"] for r in mine))
+            row["kernel_us"] = {
+                k: statistics.median(r["kernel_us"].get(k, 0.0) for r in mine)
+                for k in sorted(names)
+            }
+            out[f"{n}/{policy}"] = row
+            host, kernels = row["host_us"], row["kernels_us"]
+            print(f"kernels {n:5d} {policy:13s} {host:.0f} {kernels:.0f}")
+    return {
+        "rows": out,
+        **pick(args, "batches", "prompt_len", "gen_len", "budget", "repeats"),
+    }
+
+
 def plot_scale(data: dict, png: pathlib.Path) -> None:
     rows, batches = data["rows"], data["batches"]
     policies = sorted({k.split("/")[1] for k in rows} - {"none"})
@@ -940,6 +1002,7 @@ EXPERIMENTS = {  # name: (run, plot or None)
     "parallel": (cmd_parallel, None),
     "eviction": (cmd_eviction, None),
     "kernel": (cmd_kernel, None),
+    "kernels": (cmd_kernels, None),
 }
 
 

@@ -266,3 +266,40 @@ def test_the_kernel_benchmark_times_the_named_kernel_of_the_baselines_module(
     calls[:] = []  # the overlay never called it through its module
     with pytest.raises(RuntimeError, match="no call on every request"):
         bench.cmd_kernel(bench.parse_args(argv))
+
+
+def test_a_kernels_run_takes_each_kernel_s_median_growth_and_the_quiet_steps():
+    # The steady steps' pairs: kernel A grows by 100, 300, 200 µs, B by 50,
+    # 0, 50; host by 400, 900, 500 µs; the second step plans (quiet: 1, 3).
+    run = driver_run(
+        [50, 40, 30, 7, 9, 8, 6, 1],
+        [0, 1e5, 2e5, 3e5, 7e5, 16e5, 21e5, 21e5],
+        [1, 3, 3, 3, 3, 3, 3, 2],
+    )
+    a = [0, 0, 0, 0, 1e5, 4e5, 6e5, 6e5]
+    b = [0, 0, 0, 0, 5e4, 5e4, 1e5, 1e5]
+    plans = [0, 0, 0, 0, 0, 1, 1, 1]
+    for step, x, y, p in zip(run["steps"], a, b, plans, strict=True):
+        step["kernel_ns"] = {"m.A": x, "m.B": y, "m.C": 0}
+        step["plan_calls"] = p
+    got = bench.kernels_run(run, 3)
+    assert got["kernel_us"] == {"m.A": 200.0, "m.B": 50.0}  # C never ran
+    assert got["kernels_us"] == 250.0  # 150, 300, 250 a step
+    assert got["host_us"] == 500.0
+    assert got["quiet_host_us"] == 450.0 and got["quiet_kernels_us"] == 200.0
+
+
+def test_the_kernels_report_names_the_costliest_kernels_and_the_glue():
+    report = load_script("bench_report")
+    row = {
+        "host_us": 300.0, "kernels_us": 120.0,
+        "quiet_host_us": 280.0, "quiet_kernels_us": 110.0,
+        "kernel_us": {f"m.k{i}": float(i) for i in range(10)},
+    }  # fmt: skip
+    d = {
+        "command": "c", "date": "d", "prompt_len": 64, "gen_len": 64,
+        "budget": 32, "repeats": 2, "rows": {"1024/h2o": row},
+    }  # fmt: skip
+    text = "\n".join(report.kernels_section(d, "i"))
+    top = ", ".join(f"`k{i}` {i}" for i in range(9, 3, -1))
+    assert f"| 1,024 | h2o | 300 | 120 | 180 | 280 / 110 | {top} |" in text

@@ -5,6 +5,9 @@ themselves are the e2e tests' and the benchmarks'."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,3 +214,46 @@ def test_any_kernel_takes_turns_with_another_overlays_and_every_call_is_timed(
     calls = engine_driver.KERNEL_CALLS
     assert [c[:2] for c in calls] == [["this", 3], ["baseline", 3]] * 2
     assert all(c[2] > 0 for c in calls)
+
+
+_TIME_KERNELS_CHILD = """
+import runpy, sys
+runpy.run_path(sys.argv[1])  # tests/conftest.py: this checkout's overlay
+sys.path.insert(0, sys.argv[2])
+import numpy as np
+import engine_driver as ed
+
+ed.time_kernels()
+from vllm.vtoken.token_table import TokenTablePool
+
+pool = TokenTablePool(8, 4)
+pool.add_requests(["a"], np.zeros(1, bool))
+pool.append("a", np.arange(6))
+pool.evict("a", np.array([1]))
+rows = pool.rows(["a"])
+one = np.ones(1, np.int64)
+pool.append_read(rows, 6 * one, one, np.array([6]), np.ones(1, bool))
+import json
+ns = ed.KERNEL_NS
+print(json.dumps([sorted(k for k, v in ns.items() if v), sorted(ns)]))
+"""
+
+
+def test_time_kernels_times_the_calls_from_python_only(tmp_path):
+    """The driver's time_kernels: each compiled kernel the hooks call from
+    Python gets its running total; a kernel another calls inside compiled
+    code (append_read's walk_row) is not counted again."""
+    tests = Path(__file__).resolve().parent
+    proc = subprocess.run(
+        [sys.executable, "-c", _TIME_KERNELS_CHILD, str(tests / "conftest.py"),
+         str(tests.parent / "scripts")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran, timed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "table_kernels.walk_row" in timed  # a kernel timed ...
+    assert ran == [  # ... but only those Python called ran up a total
+        "table_kernels.append_read",
+        "table_kernels.append_rows",
+        "table_kernels.evict_rows",
+    ], ran
