@@ -717,7 +717,7 @@ SECTIONS = [
     ("scale", scale_section),
     ("kernels", kernels_section),
     ("eviction*", eviction_section),
-    ("kernel*", kernel_section),
+    ("kernel-*", kernel_section),
     ("history", history_section),
     ("arrivals", arrivals_section),
     ("parallel", parallel_section),

@@ -1054,6 +1054,8 @@ def main() -> None:
     args = parse_args()
     run, plot = EXPERIMENTS[args.experiment]
     name = args.name or args.experiment
+    if args.experiment == "kernel" and not args.name:  # one file a kernel
+        name = f"kernel-{(args.kernel or '').rpartition(':')[2]}-{args.requests}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sys.stdout.reconfigure(line_buffering=True)  # progress as it happens, piped too
     t0 = time.monotonic()

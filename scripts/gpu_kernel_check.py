@@ -170,7 +170,9 @@ def fp8_batch(b, fp8_query=False):
     return out
 
 
-def stock_read(b, out):
+def stock_read(b, out, split=None):
+    """vLLM's kernel over batch `b`'s 16-token pages; with `split`
+    (split_kv), its split-KV (3D) path where it takes it."""
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     cache, quant, descale = b["cache"], b.get("quant"), {}
@@ -186,6 +188,7 @@ def stock_read(b, out):
         softmax_scale=b["scale"], causal=True,
         window_size=(-1, -1), block_table=b["bt"], softcap=0,
         q_descale=None, **(descale or dict(k_descale=None, v_descale=None)),
+        **{k: getattr(split, k) for k in vars(split or types.SimpleNamespace())},
     )  # fmt: skip
 
 
@@ -299,6 +302,7 @@ def check_read(c):
     for fp8 in ("fp8", "fp8q"):
         runs += [(f"{n}_{fp8}", *c.read[n], None, fp8) for n in ("decode", "prefill")]
     runs += [("decode_mixed_fp8q", seq, ql, half, "fp8q")]
+    runs += [("decode_split_kv_fp8q", seq, ql, "split", "fp8q")]
     for name, seq, ql, how, fp8 in runs:
         b = make_batch(c, seq, ql)
         if fp8 is not None:
@@ -306,7 +310,9 @@ def check_read(c):
         # The output in the model's dtype (an fp8 query's too).
         want = torch.zeros(b["q"].shape, dtype=c.dt, device=c.dev)
         got = torch.zeros_like(want)
-        stock_read(b, want)
+        # An fp8 query's 3D path rounds its probabilities to fp8 by segment:
+        # stock's own 3D read is its reference (bf16's is the 2D read).
+        stock_read(b, want, split_kv(b) if isinstance(how, str) and fp8 else None)
         if isinstance(how, str):  # decode on vLLM's 3D path (patch 0080 passes it)
             md = split_kv(b)
             vtoken_read(b, got, split=md)()
@@ -351,7 +357,9 @@ def check_score(c):
                 ).double()
                 want = dense_mass64(b, aggregate, window)
                 err = ((got - want).abs() / (1 + want.abs())).max().item()
-                ok = err <= (1e-5 if dt == torch.float32 else 2e-3)
+                # fp8 x fp8 dots accumulate imprecisely on sm_90 by default
+                # (stock's too): a looser bound there.
+                ok = err <= (1e-5 if dt == torch.float32 else 2e-3 if fp8 < 2 else 1e-2)
                 kind = ["", "_fp8", "_fp8q"][fp8]
                 key = f"g{group}_{str(dt)[6:]}{kind}_{aggregate}_w{window}"
                 res[key] = dict(rel_err=err, ok=ok)

@@ -221,6 +221,37 @@ def test_the_kv_cache_dtypes_the_read_takes(cache_dtype, on_gpu, has_fp8, refuse
     assert why is None if refused is None else refused in why
 
 
+@pytest.mark.parametrize("has_fp8", [True, False])
+def test_a_gpu_takes_an_fp8_cache_where_it_has_fp8(monkeypatch, has_fp8):
+    """The start-up check on a CUDA-alike platform (faked on this CPU
+    config): vLLM's supports_fp8 decides, asked for an fp8 cache only."""
+    from types import SimpleNamespace
+
+    import vllm.platforms
+    from vllm.vtoken.config import _ATTENTION_OP
+
+    vllm_config = make_config(kv_eviction_policy="h2o", kv_budget_tokens=64)
+    # As on CUDA: attention splits the graphs (the GPU path's own check).
+    vllm_config.compilation_config.splitting_ops = [_ATTENTION_OP]
+    asked = []
+    gpu = SimpleNamespace(
+        is_cuda_alike=lambda: True,
+        is_cpu=lambda: False,
+        supports_fp8=lambda: asked.append(1) or has_fp8,
+    )
+    monkeypatch.setattr(vllm.platforms, "current_platform", gpu, raising=False)
+    check = vllm_config.vtoken_config.verify_and_update_config
+    check(vllm_config)  # auto: not asked
+    assert not asked
+    vllm_config.cache_config.cache_dtype = "fp8"
+    if has_fp8:
+        check(vllm_config)
+    else:
+        with pytest.raises(ValueError, match="--kv-cache-dtype fp8: .*GPUs with fp8"):
+            check(vllm_config)
+    assert asked == [1]
+
+
 def test_the_worker_reads_an_fp8_cache_as_its_layers_do():
     """The warm-up's fp8 variants from the attention layers themselves (a
     checkpoint's kv_cache_scheme sets their cache dtype past the flag's

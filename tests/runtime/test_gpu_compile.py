@@ -38,20 +38,21 @@ def test_every_kernel_the_warm_up_launches_compiles_for_the_gpu(tmp_path):
     """scripts/gpu_compile_report.py at the two shapes that ask the most: a
     GQA group of 8 (the score kernel's registers) and a head size of 256
     (shared memory), for A100 and H100, and the first with an fp8 cache
-    (H100 only). It fails on a kernel that does not compile, or takes more
-    shared memory than the GPU has."""
+    (for Ada and H100: fp8 needs sm_89). It fails on a kernel that does not
+    compile, or takes more shared memory than the GPU has."""
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts/gpu_compile_report.py"), str(STOCK),
-         "--out", str(out), "--capability", "90", "80",
+         "--out", str(out), "--capability", "90", "89", "80",
          "--shapes", "8/1/128", "8/4/256", "8/1/128:fp8"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["targets"]
-    assert set(report) == {"sm_90", "sm_80"}
+    assert set(report) == {"sm_90", "sm_89", "sm_80"}
     # An fp8 cache's kernels, where Triton converts e4m3 (sm_89 and later).
     assert "8/1/128:fp8" in report["sm_90"]["shapes"]
+    assert "8/1/128:fp8" in report["sm_89"]["shapes"]
     assert "8/1/128:fp8" not in report["sm_80"]["shapes"]
     for target in report.values():
         for shape, kernels in target["shapes"].items():

@@ -46,7 +46,7 @@ def test_gpu_kernel_check_runs_tiny_on_cpu(tmp_path):
     assert set(report["read"]) >= {
         "decode", "prefill", "chunked", "decode_split_kv", "decode_mixed",
         "decode_fp8", "prefill_fp8", "decode_fp8q", "prefill_fp8q",
-        "decode_mixed_fp8q",
+        "decode_mixed_fp8q", "decode_split_kv_fp8q",
     }  # fmt: skip
     assert {
         "g3_float32_mean_wNone", "g16_float32_mean_wNone", "g3_float32_fp8_max_w8",

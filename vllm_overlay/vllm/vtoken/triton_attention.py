@@ -16,9 +16,11 @@ probabilities stored) from the step's `ScorePlan`. `attention_mass` is the
 dense torch reference.
 
 An fp8 KV cache (`--kv-cache-dtype fp8`) is read as vLLM's stock forward
-reads it: its bytes viewed as the platform's fp8 type, each element times the
-layer's per-tensor scale (`KVQuant`), in both kernels. Moves copy bytes, so a
-moved token keeps its encoding and its layer's scale.
+reads it, in both kernels: its bytes viewed as the platform's fp8 type
+(`KVQuant`); against a query of the model's dtype each element times the
+layer's per-tensor scale, against the fp8 query CUDA hands the backend
+(vLLM's query_quant) as it is. Moves copy bytes, so a moved token keeps its
+encoding and its layer's scale.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ SPLIT_KV = (
 
 @dataclass(frozen=True)
 class KVQuant:
-    """An fp8 KV cache as TRITON_ATTN reads it: its bytes viewed as `dtype`,
-    each K (V) element times `k_scale` (`v_scale`), float32 tensors of one
-    element per layer, read on the device (no host sync)."""
+    """An fp8 KV cache as TRITON_ATTN reads it: its bytes viewed as `dtype`;
+    against a query of the model's dtype each K (V) element times `k_scale`
+    (`v_scale`), float32 tensors of one element per layer read on the
+    device (no host sync); against an fp8 query, as it is (stock's kernel)."""
 
     dtype: torch.dtype
     k_scale: torch.Tensor
