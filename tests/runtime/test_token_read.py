@@ -118,19 +118,23 @@ def test_gpu_read_overwrites_only_the_rows_of_requests_with_a_dead_token():
     run_under_interpreter(_MIXED, "MIXED-READ-OK")
 
 
-_FP8 = (
-    _SETUP
-    + """
+# The same keys and values as an fp8 (e4m3) cache of per-tensor scales, its
+# bytes as vLLM allocates them (uint8).
+_FP8_CACHE = """
     from vllm.vtoken.triton_attention import KVQuant
 
-    # The same keys and values as an fp8 (e4m3) cache of per-tensor scales,
-    # its bytes as vLLM allocates them (uint8), and as a float32 cache of
-    # their dequantized values.
     f8 = torch.float8_e4m3fn
     k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.02])
     k8, v8 = (k / k_scale).to(f8), (v / v_scale).to(f8)
     raw = torch.zeros(N, 2, B, H, D, dtype=torch.uint8)
     raw[n, 0, b], raw[n, 1, b] = k8.view(torch.uint8), v8.view(torch.uint8)
+"""
+
+_FP8 = (
+    _SETUP
+    + _FP8_CACHE
+    + """
+    # And as a float32 cache of their dequantized values.
     deq = torch.zeros(N, 2, B, H, D)
     deq[n, 0, b], deq[n, 1, b] = k8.float() * k_scale, v8.float() * v_scale
 
@@ -170,21 +174,16 @@ def test_an_fp8_cache_is_read_with_its_scales_under_interpreter():
 
 _FP8_BACKEND = (
     _SETUP
+    + _FP8_CACHE
     + """
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
     from vllm.vtoken.context import set_token_read
-    from vllm.vtoken.triton_attention import KVQuant, attention_mass
+    from vllm.vtoken.triton_attention import attention_mass
 
-    # CUDA's way with an fp8 cache: its bytes (uint8) and scales, and the
-    # query quantized to fp8 before the backend (vLLM's query_quant, q_scale
-    # 1); the output in the model's dtype.
-    f8 = torch.float8_e4m3fn
-    k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.02])
-    k8, v8 = (k / k_scale).to(f8), (v / v_scale).to(f8)
-    raw = torch.zeros(N, 2, B, H, D, dtype=torch.uint8)
-    raw[n, 0, b], raw[n, 1, b] = k8.view(torch.uint8), v8.view(torch.uint8)
+    # CUDA's way with an fp8 cache: the query quantized to fp8 before the
+    # backend (vLLM's query_quant, q_scale 1); the output in the model's dtype.
     q8 = q.to(f8)
     layer = SimpleNamespace(_k_scale=k_scale, _v_scale=v_scale, _q_scale_float=1.0)
     impl = TritonAttentionImpl(Hq, D, D ** -0.5, H, None, None, "fp8")
