@@ -24,6 +24,8 @@ bench arrivals --requests 24 --prompt-len 600 --gen-len 128 --budget 128 --pool 
   --every 20 --policies h2o streamingllm --repeats 2 $before "$@"
 bench scale --model "$tiny" --prompts random --batches 64 256 1024 --prompt-len 64 \
   --gen-len 64 --budget 32 --repeats 2 $before
+bench kernels --model "$tiny" --prompts random --batches 64 1024 --prompt-len 64 \
+  --gen-len 64 --budget 32 --repeats 2
 bench history --model "$tiny" --prompts random --requests 256 --prompt-len 64 \
   --gen-len 448 --budget 32 --policies h2o streamingllm --repeats 2 $before
 bench parallel --model "$tiny" --prompts random --requests 16 --prompt-len 96 \
