@@ -562,13 +562,19 @@ def turns_table(d: dict, title: str, method: str) -> list[str]:
     return out + [""]
 
 
+def tiny_workload(d: dict) -> str:
+    """The dummy-model workload of the host-time tables (scale's own)."""
+    return (
+        f"dummy-weight two-layer Llama, random prompts of {d['prompt_len']} "
+        f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode"
+    )
+
+
 def history_section(d: dict, img: str) -> list[str]:
     out = table_head(
         "Per-step cost as the history grows",
         f"`{d['command']}` ({d['date']}). {d['requests']} requests at once of a "
-        f"dummy-weight two-layer Llama, random prompts of {d['prompt_len']} tokens, "
-        f"{d['gen_len']} generated, budget {d['budget']}, vtoken mode: each request "
-        "ends with about "
+        f"{tiny_workload(d)}: each request ends with about "
         f"{(d['prompt_len'] + d['gen_len']) / (d['budget'] + 1) - 1:.0f}x as many "
         "dead tokens as live. vToken's host time per step in each quarter of the "
         "decode (medians over the runs, the versions taking turns); before: the "
@@ -648,10 +654,9 @@ def kernels_section(d: dict, img: str) -> list[str]:
     out = table_head(
         "Where a step's host time goes, kernel by kernel",
         f"`{d['command']}` ({d['date']}). The scale table's workload (a "
-        f"dummy-weight two-layer Llama, random prompts of {d['prompt_len']} "
-        f"tokens, {d['gen_len']} generated, budget {d['budget']}, vtoken mode) "
-        "with every call of the overlay's compiled kernels from Python timed "
-        "in-engine (the driver's `time_kernels`; ~0.5 µs a call more, so the "
+        f"{tiny_workload(d)}) with every call of the overlay's compiled "
+        "kernels from Python timed in-engine (the driver's `time_kernels`; "
+        "~0.5 µs a call more, so the "
         "host time runs a little above the scale table's); medians over the "
         f"steps where every request runs, then over {d['repeats']} run(s). "
         "Kernels: their share of vToken's host time; glue: the rest (the "

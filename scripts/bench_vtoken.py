@@ -640,6 +640,14 @@ def _quarters(xs: list) -> list[list]:
     return [xs[i * k : (i + 1) * k] for i in range(4)]
 
 
+def growth(pairs: list[tuple[dict, dict]], field: str) -> dict[str, list[int]]:
+    """Per key of the driver's running totals `field` ("hook_ns",
+    "kernel_ns"), how much it grew in each step of `pairs` (consecutive
+    steady steps); {} without pairs."""
+    keys = pairs[0][0].get(field, {}) if pairs else {}
+    return {k: [b[field][k] - a[field][k] for a, b in pairs] for k in keys}
+
+
 def scale_run(run: dict, n: int, hooked: bool = True) -> dict:
     """One scale run's medians over its steady steps (`steady`): the step's
     wall time, and vToken's host time in it (`hooked`; 0 for native)."""
@@ -668,11 +676,8 @@ def scale_run(run: dict, n: int, hooked: bool = True) -> dict:
         **split,
         # Where it goes: each hook's own (the spec's "time_hooks").
         "hooks_ms": {
-            hook: 1e-6
-            * statistics.median(
-                b["hook_ns"][hook] - a["hook_ns"][hook] for a, b in pairs
-            )
-            for hook in (pairs[0][0].get("hook_ns", {}) if pairs else {})
+            hook: 1e-6 * statistics.median(ns)
+            for hook, ns in growth(pairs, "hook_ns").items()
         },
         "counters": run["counters"],
     }
@@ -882,9 +887,7 @@ def kernels_run(run: dict, n: int) -> dict:
     time a step, the compiled kernels' share of it and each kernel's (µs,
     medians of each step's growth of the running totals; a kernel a step
     never called is left out), and the quiet steps' (no plan) apart."""
-    pairs = list(itertools.pairwise(steady(run, n)))
-    names = pairs[0][0]["kernel_ns"] if pairs else {}
-    per = {k: [b["kernel_ns"][k] - a["kernel_ns"][k] for a, b in pairs] for k in names}
+    per = growth(list(itertools.pairwise(steady(run, n))), "kernel_ns")
     total = [sum(v) for v in zip(*per.values(), strict=True)]
     host = per_step(run, n, "vtoken_ns")
     quiet = [p == 0 for p in per_step(run, n, "plan_calls")]
