@@ -38,6 +38,7 @@ import numba
 import numpy as np
 
 from vllm.vtoken.policies.selection_kernels import _FEW, _before
+from vllm.vtoken.prefetch import AHEAD, prefetch_span
 from vllm.vtoken.table_kernels import kill_rows, listed_live, slotted_len
 
 _i64, _i32, _u64, _f32, _f64, _b1 = (
@@ -185,6 +186,17 @@ def evict_lowest(
     real_at = np.empty(longest, np.int64)  # the sort's entries with a real key
     m = 0
     for i in range(num):
+        # What the row AHEAD walks: its list, and "persistence"'s scores and
+        # arrivals. Not for a "score" rule, whose steady step takes the
+        # fold's choice and walks nothing (prefetching it anyway took H2O's
+        # pass 1.45x as long at 1,024 rows, in-engine).
+        a = i + AHEAD
+        if key_kind != 0 and a < num and want[a] > 0:
+            ra = rows[a]
+            prefetch_span(listed, start[ra], n_listed[ra])
+            if key_kind == 3 and score_rows[a] >= 0:
+                prefetch_span(acc, score_start[score_rows[a]], n_slotted[ra])
+                prefetch_span(born, age_start[age_rows[a]], n_slotted[ra])
         r = rows[i]
         end, k = n_slotted[r], max(want[i], 0)
         if k == 0:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from vllm.vtoken.prefetch import AHEAD, prefetch_span
+
 _i64, _f32 = numba.int64[::1], numba.float32[::1]
 _jit = {"cache": True, "nogil": True}
 
@@ -56,6 +58,10 @@ def fold(
             return False
     w = np.float32(window)
     for i in range(rows.size):
+        a = i + AHEAD
+        if a < rows.size and indptr[a + 1] > indptr[a]:  # its keys' scores
+            k0, k1 = idx[indptr[a]], idx[indptr[a + 1] - 1]
+            prefetch_span(acc, start[rows[a]] + k0, k1 - k0 + 1)
         r = rows[i]
         base, lo, hi = start[r], indptr[i], indptr[i + 1]
         # Not evicted by a "score" rule: the fold only, in a loop of its own

@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The software prefetch of the compiled passes (vllm/vtoken/prefetch.py).
+
+A prefetch changes no result, so what the kernels compute with it is held by
+their own tests (test_token_table.py, test_eviction_kernels.py,
+test_score_fold.py run the prefetching loops); here, that the hint is really
+emitted, that it never faults, and that it takes arrays only. What it buys is
+a benchmark's (docs/RESULTS.md, "One kernel, old and new").
+"""
+
+from __future__ import annotations
+
+import re
+
+import numba
+import numpy as np
+import pytest
+
+from vllm.vtoken.prefetch import prefetch, prefetch_span
+
+
+@numba.njit
+def _sum_prefetching(a, ahead):
+    s = 0
+    for i in range(a.size):
+        prefetch(a, i + ahead)  # far past the end: a hint never faults
+        s += a[i]
+    return s
+
+
+@numba.njit
+def _first_of_span(a, lo, n):
+    prefetch_span(a, lo, n)
+    return a[lo]
+
+
+def _ir(dispatcher) -> str:
+    return next(iter(dispatcher.inspect_llvm().values()))
+
+
+def test_prefetch_is_emitted_and_never_faults():
+    a = np.arange(1000, dtype=np.int64)
+    assert _sum_prefetching(a, 1 << 40) == a.sum()
+    # LLVM's intrinsic, for reading (0), kept in every level (3), data (1).
+    assert re.search(
+        r"call void @llvm\.prefetch\.p0i8\(i8\* [^,]+, i32 0, i32 3, i32 1\)",
+        _ir(_sum_prefetching),
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int32, np.float32, np.int64])
+def test_a_span_of_any_width_changes_nothing(dtype):
+    a = np.arange(100).astype(dtype)
+    for lo, n in [(0, 0), (3, 1), (5, 17), (1, 99), (90, 500)]:
+        assert _first_of_span(a, lo, n) == a[lo]
+    # The span is walked, a prefetch a line (not unrolled away).
+    assert "@llvm.prefetch" in _ir(_first_of_span)
+
+
+def test_prefetch_takes_an_array_and_an_integer():
+    @numba.njit
+    def of_a_scalar(x):
+        prefetch(x, 0)
+
+    @numba.njit
+    def at_a_float(a):
+        prefetch(a, 0.5)
+
+    with pytest.raises(numba.core.errors.TypingError):
+        of_a_scalar(3)
+    with pytest.raises(numba.core.errors.TypingError):
+        at_a_float(np.zeros(4))
