@@ -41,4 +41,5 @@ RUN site="$(python3 -c 'import importlib.util as u, os; print(os.path.dirname(li
     && bash /opt/vtoken/apply.sh --reverse --check "$site" \
     && python3 -c "import vllm.vtoken.table_kernels, vllm.vtoken.read_kernels, \
 vllm.vtoken.eviction_kernels, vllm.vtoken.fold_kernels, vllm.vtoken.planner_kernels, \
-vllm.vtoken.block_kernels, vllm.vtoken.kv_copy_cpu, vllm.vtoken.policies.selection_kernels"
+vllm.vtoken.block_kernels, vllm.vtoken.kv_copy_cpu, vllm.vtoken.policies.selection_kernels, \
+vllm.vtoken.prefetch"

@@ -10,6 +10,7 @@ a benchmark's (docs/RESULTS.md, "One kernel, old and new").
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import numba
@@ -70,3 +71,22 @@ def test_prefetch_takes_an_array_and_an_integer():
         of_a_scalar(3)
     with pytest.raises(numba.core.errors.TypingError):
         at_a_float(np.zeros(4))
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("table_kernels", "append_read"),
+        ("table_kernels", "append_rows"),
+        ("table_kernels", "evict_rows"),
+        ("table_kernels", "positional_slots"),
+        ("eviction_kernels", "evict_lowest"),
+        ("fold_kernels", "fold"),
+    ],
+)
+def test_the_step_s_row_walks_prefetch(module, name):
+    # The walks the in-engine A/B measured (docs/RESULTS.md) ask for rows
+    # ahead. Compiled afresh: numba's cache gives no code to inspect.
+    kernel = getattr(importlib.import_module(f"vllm.vtoken.{module}"), name)
+    fresh = numba.njit(kernel.nopython_signatures[0], cache=False)(kernel.py_func)
+    assert "@llvm.prefetch" in _ir(fresh)

@@ -244,7 +244,18 @@ def append_rows(
     if short:
         return -1
     k = total = 0
+    ahead = 0  # where row i + AHEAD's slots start
+    for i in range(min(AHEAD, rows.size)):
+        ahead += counts[i]
     for i in range(rows.size):
+        if i + AHEAD < rows.size:  # the lines its tokens go to
+            a = rows[i + AHEAD]
+            prefetch(slot, start[a] + n_slotted[a])
+            prefetch(live, start[a] + n_slotted[a])
+            prefetch(listed, start[a] + n_listed[a])
+            if counts[i + AHEAD] > 0:  # its first slot's block count
+                prefetch(block_live, slots[ahead] >> shift)
+            ahead += counts[i + AHEAD]
         r = rows[i]
         total += slot_row(
             r, n_slotted[r] + counts[i], slots[k : k + counts[i]], start,
@@ -337,7 +348,11 @@ def evict_rows(
     evict_rows): bits cleared, blocks uncounted, live lists as kill_rows
     keeps them. Returns -1, or the position in `idx` of a token already
     dead (then nothing changed)."""
-    for i in range(rows.size):
+    for i in range(rows.size):  # the first reads of the victims' lines
+        a = i + AHEAD
+        if a < rows.size and indptr[a + 1] > indptr[a]:
+            prefetch(live, start[rows[a]] + idx[indptr[a]])
+            prefetch(slot, start[rows[a]] + idx[indptr[a]])
         base = start[rows[i]]
         for j in range(indptr[i], indptr[i + 1]):
             if not live[base + idx[j]]:
@@ -626,6 +641,9 @@ def positional_slots(rows, take, ids, start, n_slotted, slot, shift):
     out = np.empty(total, np.int64)
     k = h = 0
     for i in range(rows.size):
+        if i + AHEAD < rows.size:  # its last token's slot
+            a = rows[i + AHEAD]
+            prefetch(slot, start[a] + n_slotted[a] - 1)
         r = rows[i]
         s0 = n_slotted[r]
         lo = (s0 + B - 1) >> shift  # the first block past the tail
