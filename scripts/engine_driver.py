@@ -341,9 +341,8 @@ def alternate_eviction(path: str):
     machine falls on both alike. The other kernel must take this overlay's
     arguments (a TypeError on its first call otherwise). Only that file is
     the other overlay's: the helpers it imports (table_kernels,
-    selection_kernels) are this overlay's, unless numba's cache beside it
-    (keyed by that file alone) still holds a build that inlined older ones;
-    compare kernels whose helpers did not change, or clear that cache."""
+    selection_kernels) are this overlay's (load_beside compiles a copy of
+    it afresh); compare kernels whose helpers did not change."""
     this, other = load_beside(path)
     import vllm.vtoken.token_table as tt
 
@@ -364,14 +363,26 @@ def alternate_eviction(path: str):
 
 def load_beside(path: str):
     """(this overlay's kernel module, the other overlay's copy of it at
-    `path`, loaded beside it as baseline_<module>)."""
+    `path`, loaded beside it as baseline_<module>).
+
+    Loaded from a copy in a folder of its own, compiled there: numba caches
+    a module's kernels beside its file, keyed by the file alone and pickled
+    with the module's name, so loading `path` itself left the other site a
+    cache its own engine could not load (a scale run with that --baseline
+    after a kernel run: "No module named 'baseline_table_kernels'"), and
+    could load a build that inlined older helpers."""
+    import atexit
     import importlib
     import importlib.util
+    import shutil
 
     import vllm.config  # noqa: F401 (first: the overlay's modules import it)
 
     stem = os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(f"baseline_{stem}", path)
+    folder = tempfile.mkdtemp(prefix="vtoken-baseline-")
+    atexit.register(shutil.rmtree, folder, True)
+    copy = shutil.copyfile(path, os.path.join(folder, f"baseline_{stem}.py"))
+    spec = importlib.util.spec_from_file_location(f"baseline_{stem}", copy)
     other = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = other
     spec.loader.exec_module(other)

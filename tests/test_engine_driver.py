@@ -257,3 +257,25 @@ def test_time_kernels_times_the_calls_from_python_only(tmp_path):
         "table_kernels.append_rows",
         "table_kernels.evict_rows",
     ], ran
+
+
+def test_another_overlays_kernels_compile_from_a_copy_not_beside_it(
+    tmp_path, monkeypatch
+):
+    # Loading a site's kernel file itself under another name left numba's
+    # cache beside it pickled with that name: the site's own engine then
+    # failed to import the module ("No module named 'baseline_fold_kernels'").
+    import shutil
+    import sys
+
+    from vllm.vtoken import fold_kernels
+
+    site = tmp_path / "site" / "vllm" / "vtoken"
+    site.mkdir(parents=True)
+    path = shutil.copyfile(fold_kernels.__file__, site / "fold_kernels.py")
+    monkeypatch.delitem(sys.modules, "baseline_fold_kernels", raising=False)
+    this, other = engine_driver.load_beside(str(path))
+    assert this is fold_kernels and other is not fold_kernels
+    assert Path(other.__file__).parent != site
+    assert not (site / "__pycache__").exists(), "a cache beside the site's file"
+    assert other.fold is not fold_kernels.fold and other.fold.signatures
