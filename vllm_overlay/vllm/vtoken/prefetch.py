@@ -34,8 +34,9 @@ _LINE = 64  # bytes: the cache line of every CPU vLLM runs on
 
 @intrinsic
 def prefetch(typingctx, arr, index):
-    """Hints the caches to load the line of arr[index] (1-D, index >= 0, not
-    checked: a prefetch never faults) for reading, kept in all levels."""
+    """Hints the caches to load the line of arr[index] (1-D) for reading,
+    kept in every level. The index is not checked (nor wrapped when
+    negative): a prefetch of any address never faults."""
     if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
         return None
 
