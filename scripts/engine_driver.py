@@ -370,7 +370,8 @@ def load_beside(path: str):
     with the module's name, so loading `path` itself left the other site a
     cache its own engine could not load (a scale run with that --baseline
     after a kernel run: "No module named 'baseline_table_kernels'"), and
-    could load a build that inlined older helpers."""
+    could load a build that inlined older helpers. The folder goes at exit;
+    a run killed leaves it in the temporary directory (vtoken-baseline-*)."""
     import atexit
     import importlib
     import importlib.util

@@ -37,14 +37,19 @@ def prefetch(typingctx, arr, index):
     """Hints the caches to load the line of arr[index] (1-D) for reading,
     kept in every level. The index is not checked (nor wrapped when
     negative): a prefetch of any address never faults."""
-    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+    if not isinstance(arr, types.Array) or arr.ndim != 1:
+        return None
+    if not isinstance(index, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
         aryty = sig.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
+        # The address arithmetic is in the pointer's width, whatever the
+        # index's (an int32 index into a strided array would not compile).
+        at = context.cast(builder, args[1], sig.args[1], types.intp)
         ptr = cgutils.get_item_pointer(
-            context, builder, aryty, ary, [args[1]], wraparound=False
+            context, builder, aryty, ary, [at], wraparound=False
         )
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
