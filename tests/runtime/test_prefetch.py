@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import pytest
 
-from vllm.vtoken.prefetch import prefetch, prefetch_span
+from vllm.vtoken.prefetch import MAX_LINES, prefetch, prefetch_span, span_step
 
 
 @numba.njit
@@ -61,6 +61,16 @@ def test_a_span_of_any_width_changes_nothing(dtype):
         assert _first_of_span(a, lo, n) == a[lo]
     # The span is walked, a prefetch a line (not unrolled away).
     assert _prefetches(_first_of_span) > 0
+
+
+def test_a_span_is_prefetched_a_line_at_a_time_unless_long():
+    # A long history's region is skipped: a hundred prefetches a row took
+    # append_read 1.7x as long at 2,112-token histories (docs/RESULTS.md).
+    assert span_step(4, 1) == span_step(4, 16 * MAX_LINES) == 16
+    assert span_step(1, 64 * MAX_LINES) == 64 and span_step(8, 8) == 8
+    assert span_step(4, 16 * MAX_LINES + 1) == 0
+    assert span_step(1, 64 * MAX_LINES + 1) == 0
+    assert span_step(4, 0) == span_step(4, -3) == 0
 
 
 def test_an_index_of_any_width_into_a_strided_array():

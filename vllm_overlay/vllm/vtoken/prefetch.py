@@ -16,7 +16,8 @@ A prefetch is a hint and never faults (LLVM's `llvm.prefetch`; a no-op where
 the target has none), so an address past an array's end is harmless and the
 results cannot change; only the time does (docs/RESULTS.md, "One kernel, old
 and new"). Measured by hand on a cold 1,024-row walk (a 64 MiB sweep before
-each): 217 -> 139 us, the same for 2 to 8 rows ahead.
+each): 217 -> 139 us, the same for 2 to 8 rows ahead. A long region is
+left alone (MAX_LINES): what helps a row of a few lines hurts at hundreds.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from numba.extending import intrinsic
 # Rows prefetched ahead of the one walked.
 AHEAD = 4
 _LINE = 64  # bytes: the cache line of every CPU vLLM runs on
+# The longest span prefetched, in lines (2 KiB): a region past it (a long
+# history's slots) is skipped. Its row's own walk is then long enough to
+# cover the next row's first misses, and a burst of a hundred prefetches a
+# row took append_read 1.7x as long (2,112-token histories, budget 64).
+MAX_LINES = 32
 
 
 @intrinsic
@@ -62,10 +68,19 @@ def prefetch(typingctx, arr, index):
 
 
 @numba.njit(inline="always")
+def span_step(itemsize, n):
+    """The stride, in elements, of prefetching n of them a line at a time,
+    or 0: nothing to prefetch, or more than MAX_LINES lines."""
+    step = max(_LINE // itemsize, 1)
+    return step if 0 < n <= MAX_LINES * step else 0
+
+
+@numba.njit(inline="always")
 def prefetch_span(arr, lo, n):
-    """Prefetches every line of arr[lo : lo + n]."""
-    step = max(_LINE // arr.itemsize, 1)
+    """Prefetches every line of arr[lo : lo + n] (span_step: not a long one)."""
+    step = span_step(arr.itemsize, n)
+    if step == 0:
+        return
     for k in range(lo, lo + n, step):
         prefetch(arr, k)
-    if n > 0:  # the last element's line, where lo is not line-aligned
-        prefetch(arr, lo + n - 1)
+    prefetch(arr, lo + n - 1)  # the last element's line, lo not line-aligned
