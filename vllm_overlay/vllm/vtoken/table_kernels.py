@@ -97,6 +97,15 @@ def prefetch_row(r, start, n_listed, n_slotted, listed, live, slot):
     prefetch_span(slot, base, n_slotted[r])
 
 
+@numba.njit(inline="always")
+def prefetch_tail(r, start, n_listed, n_slotted, listed, live, slot):
+    """Prefetches the lines slot_row writes first for row r: its next
+    token's slot and bit, and its live list's next entry."""
+    prefetch(slot, start[r] + n_slotted[r])
+    prefetch(live, start[r] + n_slotted[r])
+    prefetch(listed, start[r] + n_listed[r])
+
+
 # walk_row's `computed` when the caller wants no query count.
 _NO_QUERIES = 1 << 62
 
@@ -249,10 +258,9 @@ def append_rows(
         ahead += counts[i]
     for i in range(rows.size):
         if i + AHEAD < rows.size:  # the lines its tokens go to
-            a = rows[i + AHEAD]
-            prefetch(slot, start[a] + n_slotted[a])
-            prefetch(live, start[a] + n_slotted[a])
-            prefetch(listed, start[a] + n_listed[a])
+            prefetch_tail(
+                rows[i + AHEAD], start, n_listed, n_slotted, listed, live, slot
+            )
             if counts[i + AHEAD] > 0:  # its first slot's block count
                 prefetch(block_live, slots[ahead] >> shift)
             ahead += counts[i + AHEAD]
@@ -552,10 +560,9 @@ def append_read(
     k = new = 0
     for i in range(R):  # append_rows, the hits first
         if i + AHEAD < R:  # the lines its tail's tokens go to
-            a = rows[i + AHEAD]
-            prefetch(slot, start[a] + n_slotted[a])
-            prefetch(live, start[a] + n_slotted[a])
-            prefetch(listed, start[a] + n_listed[a])
+            prefetch_tail(
+                rows[i + AHEAD], start, n_listed, n_slotted, listed, live, slot
+            )
         r = rows[i]
         n = max(computed[i] - n_slotted[r], 0) + counts[i]
         new += slot_row(
