@@ -1,8 +1,11 @@
 """A careless and hostile client against the patched server, for every policy.
 
-One server per policy, on a small KV pool (evictions and preemptions) with
-VTOKEN_CHECK_INTEGRITY=1 (an invariant broken at any step kills the engine),
-driven with a mix of what the OpenAI API lets a client send: prompt embeddings,
+A server per score mode, on a small KV pool (evictions and preemptions) with
+VTOKEN_CHECK_INTEGRITY=1 (an invariant broken at any step kills the engine):
+H2O's serves StreamingLLM and Random too, every request of their mixes naming
+its policy (`vllm_xargs`), as a server serves any policy of its score mode;
+Scissorhands (scores of its own) gets one of its own. Each policy's mix is
+a mix of what the OpenAI API lets a client send: prompt embeddings,
 n > 1, beam search, logprobs and prompt_logprobs, stop strings, a streaming
 client that disconnects, priorities, per-request settings, structured output, a
 prompt over the limit. No answer may be a 5xx, the server stays healthy, the KV
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import http.client
 import io
 import json
@@ -35,13 +39,29 @@ SERVER_LOGS: dict[str, pathlib.Path] = {}  # url -> its log, for failure message
 LONG = " ".join(["the lighthouse keeper counted the waves"] * 20)  # 121 tokens
 
 
-@pytest.fixture(
-    scope="module", params=["h2o", "streamingllm", "scissorhands", "random"]
-)
-def server_url(request, tmp_path_factory, engine_dir):
+SERVER_OF = {"h2o": "h2o", "streamingllm": "h2o", "random": "h2o"}
+SERVER_OF["scissorhands"] = "scissorhands"  # (a policy: the server it runs on)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, engine_dir):
+    """Started on first use, each once for the module; stopped at its end."""
+    with contextlib.ExitStack() as stack:
+
+        def start(policy: str) -> str:
+            if policy not in urls:
+                urls[policy] = stack.enter_context(serve(policy, tmp_path_factory))
+            return urls[policy]
+
+        urls: dict[str, str] = {}
+        yield start
+
+
+@contextlib.contextmanager
+def serve(policy: str, tmp_path_factory):
     cmd = [str(REPO / "scripts/run.sh"), "--max-model-len", "384", "--enforce-eager"]
     cmd += ["--num-gpu-blocks-override", "24", "--enable-prompt-embeds"]
-    cmd += ["--kv-eviction-policy", request.param, "--kv-budget-tokens", "48"]
+    cmd += ["--kv-eviction-policy", policy, "--kv-budget-tokens", "48"]
     log = tmp_path_factory.mktemp("hostile") / "serve.log"
     os.environ["VTOKEN_CHECK_INTEGRITY"] = "1"  # the server inherits it
     try:
@@ -53,7 +73,17 @@ def server_url(request, tmp_path_factory, engine_dir):
         os.environ.pop("VTOKEN_CHECK_INTEGRITY", None)
 
 
-def send(url: str, body: dict) -> tuple[int, dict]:
+@pytest.fixture(params=["h2o", "streamingllm", "scissorhands", "random"])
+def policy(request) -> str:
+    return request.param
+
+
+def send(url: str, body: dict, policy: str | None = None) -> tuple[int, dict]:
+    """POST a completion; `policy`: the request's own (vllm_xargs), kept
+    beside the body's other keys there."""
+    if policy is not None:
+        xargs = {"kv_eviction_policy": policy, **body.get("vllm_xargs", {})}
+        body = {**body, "vllm_xargs": xargs}
     req = urllib.request.Request(
         url + "/v1/completions",
         json.dumps({"model": MODEL, **body}).encode(),
@@ -66,11 +96,12 @@ def send(url: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read() or b"{}")
 
 
-def stream_and_hang_up(url: str, body: dict) -> tuple[int, dict]:
+def stream_and_hang_up(url: str, body: dict, policy: str) -> tuple[int, dict]:
     """Reads a few chunks of a streamed completion, then drops the connection."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
-    payload = json.dumps({"model": MODEL, "stream": True, **body})
+    xargs = {"vllm_xargs": {"kv_eviction_policy": policy}}
+    payload = json.dumps({"model": MODEL, "stream": True, **body, **xargs})
     conn.request(
         "POST", "/v1/completions", payload, {"Content-Type": "application/json"}
     )
@@ -89,8 +120,9 @@ def embeds_b64(n: int) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def greedy(url: str) -> str:
-    status, out = send(url, {"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+def greedy(url: str, policy: str) -> str:
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    status, out = send(url, body, policy)
     assert status == 200, out
     return out["choices"][0]["text"]
 
@@ -126,29 +158,33 @@ MIX = [
 ]
 
 
-def test_a_hostile_mix_leaves_the_server_healthy_and_the_pool_empty(server_url):
-    before = greedy(server_url)
+def test_a_hostile_mix_leaves_the_server_healthy_and_the_pool_empty(servers, policy):
+    url = servers(SERVER_OF[policy])
+    counted = ("vllm:kv_evicted_tokens_total", "vllm:num_preemptions_total")
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    start = {name: metric(text, name) for name in counted}  # a server's earlier mixes
+    before = greedy(url, policy)
     # All at once, on a pool of 24 blocks (StreamingLLM's requests, which drop
     # the shared prompt's middle blocks, fit six at a time).
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(MIX)) as pool:
-        jobs = [pool.submit(fn, server_url, body) for fn, body in MIX]
+        jobs = [pool.submit(fn, url, body, policy) for fn, body in MIX]
         answers = [job.result(timeout=600) for job in jobs]
     statuses = [status for status, _ in answers]
     pairs = zip(MIX, answers, strict=True)
     bad = [(body, out) for (_, body), (status, out) in pairs if status >= 500]
-    assert not bad, (bad, engine_driver.server_errors(SERVER_LOGS[server_url]))
+    assert not bad, (bad, engine_driver.server_errors(SERVER_LOGS[url]))
     assert set(statuses) <= {200, 400}, list(zip(MIX, answers, strict=True))
     assert statuses[MIX.index(EMBEDS)] == 200  # it used to kill the engine core
-    status, out = send(server_url, CHOICE)  # evicted while it decodes
+    status, out = send(url, CHOICE, policy)  # evicted while it decodes
     assert status == 200 and out["choices"][0]["text"] in CHOICES, out
-    status, out = send(server_url, PAIR)
+    status, out = send(url, PAIR, policy)
     assert status == 200 and out["usage"]["completion_tokens"] == 2 * 160, out
-    assert urllib.request.urlopen(server_url + "/health", timeout=10).status == 200
+    assert urllib.request.urlopen(url + "/health", timeout=10).status == 200
     # The last step of this request reports the pool after everything finished
     # (an aborted stream takes no step of its own).
-    assert greedy(server_url) == before
-    text = urllib.request.urlopen(server_url + "/metrics", timeout=10).read().decode()
+    assert greedy(url, policy) == before
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     assert metric(text, "vllm:num_requests_running") == 0
     assert metric(text, "vllm:kv_cache_usage_perc") == 0
-    assert metric(text, "vllm:kv_evicted_tokens_total") > 0
-    assert metric(text, "vllm:num_preemptions_total") > 0  # PAIR's at least
+    for name in counted:  # this mix's: evictions, and PAIR's preemption at least
+        assert metric(text, name) > start[name], name
