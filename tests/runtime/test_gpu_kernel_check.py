@@ -52,3 +52,40 @@ def test_gpu_kernel_check_runs_tiny_on_cpu(tmp_path):
         "g3_float32_mean_wNone", "g16_float32_mean_wNone", "g3_float32_fp8_max_w8",
         "g3_float16_fp8q_mean_wNone",
     } <= set(report["score"])  # fmt: skip
+
+
+def load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_kernel_check", REPO / "scripts/gpu_kernel_check.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines only: nothing runs, no shim
+    return module
+
+
+@pytest.mark.parametrize("size", ["TINY", "FULL"])
+def test_the_split_kv_reads_are_of_batches_vllm_splits(size):
+    """vLLM reads a decode batch on its split-KV (3D) path only up to
+    MIN_LAUNCH_GRID_SIZE_2D // Hkv sequences (128 // 8 = 16 at full size);
+    the full check's split runs read all 24 of its decode batch, so vLLM took
+    the 2D path and the check failed on a GPU (`ran` false), which --tiny (3
+    sequences, threshold 64) could not show."""
+    import types
+
+    script = load_script()
+    cfg = getattr(script, size)
+    c = types.SimpleNamespace(read=cfg["read"], heads=cfg["heads"])
+    threshold = script.MIN_GRID_2D // cfg["heads"][1]
+    runs = {run[0]: run for run in script.read_runs(c)}
+    for name in ("decode_split_kv", "decode_split_kv_fp8q"):
+        _, seq, ql, how, _ = runs[name]
+        assert how == "split" and 0 < len(seq) == len(ql) <= threshold, (name, len(seq))
+        assert all(q == 1 for q in ql)  # decode
+    if size == "FULL":  # the cut matters there: the decode batch is wider
+        assert len(cfg["read"]["decode"][0]) > threshold
+    backend = PRISTINE / "vllm/v1/attention/backends/triton_attn.py"
+    if backend.exists():  # the constant is vLLM's
+        want = f"MIN_LAUNCH_GRID_SIZE_2D = {script.MIN_GRID_2D} "
+        assert want in backend.read_text()
