@@ -324,6 +324,30 @@ def test_cuda_graphs_that_would_capture_attention_are_refused(change, what):
         type(vllm_config.vtoken_config)._use_triton_attention(vllm_config, refuse)
 
 
+def test_a_token_table_past_int32_offsets_is_refused():
+    """GPU: vLLM's kernel offsets into the block table in int32, and the token
+    table's rows are a live list long (up to the model length), so 1,024
+    requests of 2M tokens would wrap into other memory (found by review);
+    one entry fewer in a row starts."""
+    vllm_config = make_config(kv_eviction_policy="h2o", kv_budget_tokens=64)
+    from vllm.vtoken.config import _ATTENTION_OP  # (once vllm.config is loaded)
+    from vllm.vtoken.triton_plan import table_width
+
+    vllm_config.compilation_config.splitting_ops = [_ATTENTION_OP]  # as on a GPU
+
+    def refuse(what: str, why: str):
+        raise ValueError(f"does not support {what}: {why}")
+
+    check = type(vllm_config.vtoken_config)._use_triton_attention
+    vllm_config.scheduler_config.max_num_seqs = 1024
+    vllm_config.model_config.max_model_len = 2 << 20
+    assert 1024 * table_width(2 << 20) == 2**31
+    with pytest.raises(ValueError, match="--max-num-seqs 1024 with --max-model-len"):
+        check(vllm_config, refuse)
+    vllm_config.model_config.max_model_len = (2 << 20) - 64
+    check(vllm_config, refuse)
+
+
 @pytest.mark.parametrize(
     "impl, what",
     [
