@@ -328,7 +328,7 @@ def test_a_token_table_past_int32_offsets_is_refused():
     """GPU: vLLM's kernel offsets into the block table in int32, and the token
     table's rows are a live list long (up to the model length), so 1,024
     requests of 2M tokens would wrap into other memory (found by review);
-    one entry fewer in a row starts."""
+    rows 64 entries narrower (the table's rounding) start."""
     vllm_config = make_config(kv_eviction_policy="h2o", kv_budget_tokens=64)
     from vllm.vtoken.config import _ATTENTION_OP  # (once vllm.config is loaded)
     from vllm.vtoken.triton_plan import table_width
