@@ -324,11 +324,11 @@ class VTokenConfig:
         # vLLM's kernel offsets into the block table in int32 (row x stride);
         # the token table's stride is a live list's length, up to the model
         # length, not its block count: 16x stock's, for as many rows.
-        from vllm.vtoken.triton_plan import table_width
+        from vllm.vtoken.triton_plan import token_table_size
 
         rows = vllm_config.scheduler_config.max_num_seqs
         model_len = vllm_config.model_config.max_model_len
-        if rows * table_width(model_len) >= 2**31:
+        if token_table_size(rows, model_len) >= 2**31:
             refuse(
                 f"--max-num-seqs {rows} with --max-model-len {model_len}",
                 "the token table would hold 2^31 entries or more, past the int32 "

@@ -148,6 +148,13 @@ def table_width(longest: int) -> int:
     return max(64, -(-longest // 64) * 64)
 
 
+def token_table_size(max_rows: int, max_live: int) -> int:
+    """Entries of the largest step's token table: `max_rows` rows of
+    `table_width(max_live)` (what reserve_token_table allocates, and what
+    VTokenConfig keeps under vLLM's int32 table offsets)."""
+    return max_rows * table_width(max_live)
+
+
 def reserve_token_table(
     max_rows: int, max_live: int, device: torch.device | str
 ) -> torch.Tensor:
@@ -161,7 +168,7 @@ def reserve_token_table(
     (`VTokenWorker.reserve_token_table`), which sizes the KV cache around
     what that run holds at its peak. (Allocated and zeroed in each step, as
     it was, it came out of the headroom --gpu-memory-utilization leaves.)"""
-    size = max_rows * table_width(max_live)
+    size = token_table_size(max_rows, max_live)
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
