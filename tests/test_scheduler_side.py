@@ -425,6 +425,27 @@ def test_a_block_emptied_while_its_copy_is_in_flight_waits_for_the_ack():
     assert kv.block_pool.get_num_free_blocks() == free0 - 3  # b1, b2, tail (12, 13)
 
 
+def test_no_step_writes_a_block_whose_copy_is_in_flight():
+    """On GPU a batch's copy runs on a side stream beside the next forwards,
+    which write their tokens' K and V positionally: no slot of those may lie
+    in a block the copy reads or writes (found by review: nothing checked
+    it). Here b0 -> b1 stays in flight for four steps and the tail block
+    fills and a new one starts; the check (integrity) sees each step's slots.
+    A busy tail, the race it guards against, is refused by name."""
+    kv, vt, req = setup("vtoken", blocks=32)
+    step(kv, vt, req, 12, running=[])
+    b0, b1, tail = kv.get_block_ids("A")[0]
+    assert step(kv, vt, req, 1, running=[req], ack=False).moves is not None
+    assert vt.reclaimer.busy_blocks().tolist() == sorted([b0, b1])
+    for _ in range(4):  # slots 13..16: the tail fills, a fifth block starts
+        step(kv, vt, req, 1, running=[req], ack=False)
+    assert len(kv.get_block_ids("A")[0]) == 5
+    assert vt.reclaimer.busy_blocks().tolist() == sorted([b0, b1])
+    vt.reclaimer._busy[kv.get_block_ids("A")[0][-1]] = 0  # the race, forced
+    with pytest.raises(AssertionError, match="written this step in blocks a copy"):
+        step(kv, vt, req, 1, running=[req], ack=False)
+
+
 def test_a_request_due_while_its_batch_is_in_flight_is_planned_after_the_ack():
     """Planning waits for the request's in-flight batch (its slots switch at
     the ack): each step it would have been planned counts as deferred, and

@@ -448,6 +448,29 @@ class BlockReclaimer:
         got = dict(zip(busy.tolist(), self._busy[busy].tolist(), strict=True))
         assert got == want, f"busy blocks {got} are not the batches' {want}"
 
+    def check_writes(
+        self, slots: np.ndarray, counts: np.ndarray, written: np.ndarray
+    ) -> None:
+        """The step's tokens are written into no block a copy in flight reads
+        or writes. On GPU the copy runs on a side stream beside the forwards
+        queued after it, which write those tokens' K and V (vLLM's own,
+        positional): a shared block would race. It holds because a plan
+        takes only blocks full before its step (`plan`: computed // B) and
+        a request's later tokens go past them; a preempted request's moves
+        are forgotten, its blocks reused only after the copy (wait_all).
+
+        `slots`: request i's counts[i] slotted this step, of which the last
+        written[i] are computed by the forward (the others prefix-cache hits,
+        read only: a hit may be a busy source)."""
+        seg = np.repeat(np.arange(counts.size), counts)
+        pos = np.arange(slots.size) - (np.cumsum(counts) - counts)[seg]
+        mine = slots[pos >= (counts - written)[seg]]
+        hit = np.flatnonzero(self._busy[mine // self.block_size] >= 0)
+        assert not hit.size, (
+            f"slots {mine[hit].tolist()} are written this step in blocks a "
+            "copy in flight reads or writes"
+        )
+
     def check_nulls(self, rids: list[str]) -> None:
         """Each request's freed blocks (pool.num_nulls_rows) are the null
         entries of its positional list: vLLM makes none in a full-attention

@@ -424,6 +424,7 @@ class VTokenScheduler:
         slots = pool.positional_slots(rows, take, ids)
         if integrity.CHECK:
             self._check_tail_blocks(rows, take, blocks, slots)
+            self.reclaimer.check_writes(slots, take, counts)
         self.runtime.sync_rows(rids, take, slots, rows)
         if need.size:
             self.reclaimer.blocks.record(rows[need], first, end, ids)
@@ -479,7 +480,10 @@ class VTokenScheduler:
         spans = spans_of(blocks, first.tolist(), end.tolist())
         ids = np.fromiter(map(_BLOCK_ID, spans), np.int64)
         assert ids.size == (end - first).sum(), "a block list is too short"
-        self.runtime.sync_rows(rids, counts, span_slots(ids, start, counts, B), rows)
+        slots = span_slots(ids, start, counts, B)
+        if integrity.CHECK:
+            self.reclaimer.check_writes(slots, counts, scheduled[grow])
+        self.runtime.sync_rows(rids, counts, slots, rows)
         self.reclaimer.blocks.record(rows, first, end, ids)
         return reslotting
 
