@@ -40,7 +40,9 @@ if [ "$smoke" = 1 ]; then
   mem=(--requests 4 --prompt-len 64 --gen-len 48 --budget 48 --repeats 1)  # one run a mode: the path, not a timing
   cap=(--pools 48 --prompt-len 64 --gen-len 32)
   # Native and vtoken: naive's server takes the same path (~15-25 s of CI).
-  sla=(--pool 64 --budget 48 --prompt-len 64 --gen-len 16 --num-prompts 4 --rates 4 --modes native vtoken)
+  # Greedy: vLLM's CPU sampler torch.compiles its random path at a server's
+  # first sampled request (~12 s a server here); its CUDA sampler does not.
+  sla=(--pool 64 --budget 48 --prompt-len 64 --gen-len 16 --num-prompts 4 --rates 4 --modes native vtoken --temperature 0)
   ovh=(--requests 4 --prompt-len 64 --gen-len 16 --repeats 1)
 else
   vtoken_has_cuda || { echo "bench_gpu.sh: no GPU (nvidia-smi -L failed); use --smoke on CPU" >&2; exit 1; }

@@ -325,6 +325,7 @@ def cmd_sla(args) -> dict:
                     percentile_metrics="ttft,tpot,e2el",
                     metric_percentiles="50,95",
                     **sla_dataset(args),
+                    **({} if args.temperature is None else pick(args, "temperature")),
                 )
                 check_sla_run(res, args, f"sla {mode} rate {rate}", log)
                 results[f"{mode}/{rate}"] = {k: res[k] for k in SLA_FIELDS}
@@ -340,6 +341,7 @@ def cmd_sla(args) -> dict:
         best[mode] = max(ok, default=0.0)
     return {
         **pick(args, "rates", "pool", "budget", "num_prompts", "gen_len", "prompts"),
+        "temperature": args.temperature,  # None: the model's default
         "modes": [mode for mode, _, _ in modes],
         "max_model_len": engine["max_model_len"],
         "sla_p95_ms": sla,
@@ -1036,6 +1038,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=MODE_NAMES,
         default=MODE_NAMES,
         help="sla: the servers to run (native always runs)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="sla: `vllm bench serve --temperature` (default: the model's "
+        "generation config)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])

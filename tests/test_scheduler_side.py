@@ -429,21 +429,49 @@ def test_no_step_writes_a_block_whose_copy_is_in_flight():
     """On GPU a batch's copy runs on a side stream beside the next forwards,
     which write their tokens' K and V positionally: no slot of those may lie
     in a block the copy reads or writes (found by review: nothing checked
-    it). Here b0 -> b1 stays in flight for four steps and the tail block
-    fills and a new one starts; the check (integrity) sees each step's slots.
-    A busy tail, the race it guards against, is refused by name."""
+    it). Here b0 -> b1 is checked against its own step's forward (the worker
+    submits it before that forward), then stays in flight for four steps as
+    the tail block fills and a new one starts; the check (integrity) sees
+    each step's slots. A busy tail, the race it guards against, is refused
+    by name."""
     kv, vt, req = setup("vtoken", blocks=32)
     step(kv, vt, req, 12, running=[])
     b0, b1, tail = kv.get_block_ids("A")[0]
-    assert step(kv, vt, req, 1, running=[req], ack=False).moves is not None
+    seen, check = [], vt.reclaimer.check_step
+    vt.reclaimer.check_step = lambda *a: [
+        seen.append(vt.reclaimer.busy_blocks().tolist()),
+        check(*a),
+    ]
+    batch = step(kv, vt, req, 1, running=[req], ack=False).moves.batch_id
+    assert seen[0] == sorted([b0, b1])  # end_step's, after the plan
     assert vt.reclaimer.busy_blocks().tolist() == sorted([b0, b1])
     for _ in range(4):  # slots 13..16: the tail fills, a fifth block starts
         step(kv, vt, req, 1, running=[req], ack=False)
     assert len(kv.get_block_ids("A")[0]) == 5
     assert vt.reclaimer.busy_blocks().tolist() == sorted([b0, b1])
-    vt.reclaimer._busy[kv.get_block_ids("A")[0][-1]] = 0  # the race, forced
+    vt.reclaimer._busy[kv.get_block_ids("A")[0][-1]] = batch  # the race, forced
     with pytest.raises(AssertionError, match="written this step in blocks a copy"):
         step(kv, vt, req, 1, running=[req], ack=False)
+
+
+def test_no_destination_of_a_copy_in_flight_is_a_live_slot():
+    """The copy's other half: until the ack, the slots it writes are no
+    request's live ones (the forwards beside it read those), nor in a block
+    a prefix-cache hit reads. Either, forced, is refused by name."""
+    kv, vt, req = setup("vtoken", blocks=32)
+    step(kv, vt, req, 12, running=[])
+    out = step(kv, vt, req, 1, running=[req], ack=False)
+    for _ in range(3):
+        step(kv, vt, req, 1, running=[req], ack=False)  # checked each step
+    # A new request's one slot this step, a prefix-cache hit (0 written),
+    # in the destination block: the hit would read what the copy writes.
+    one, zero = np.ones(1, np.int64), np.zeros(1, np.int64)
+    with pytest.raises(AssertionError, match="prefix-cache hits"):
+        vt.reclaimer.check_step(vt._reqs, out.moves.dst_slots[:1], one, zero)
+    live = vt.pool.live_slots("A")
+    out.moves.dst_slots[0] = live[-1]  # the race, forced
+    with pytest.raises(AssertionError, match="live and written by a copy"):
+        vt.check_integrity()
 
 
 def test_a_request_due_while_its_batch_is_in_flight_is_planned_after_the_ack():

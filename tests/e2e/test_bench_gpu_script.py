@@ -67,6 +67,7 @@ def test_memory_and_capacity_measure_reclamation(smoke):
 def test_sla_and_overhead_complete(smoke):
     sla = load(smoke, "sla")
     assert sla["prompts"] == "random"
+    assert sla["temperature"] == 0  # greedy: no sampler compile a server
     # --modes: the servers asked for (native, which the SLA is of, and vtoken)
     assert sla["modes"] == ["native", "vtoken"]
     assert sorted(sla["results"]) == ["native/4.0", "vtoken/4.0"]

@@ -53,6 +53,7 @@ _IS_ZERO = (0).__eq__
 _ID = attrgetter("block_id")
 _COMPUTED = attrgetter("num_computed_tokens")
 _MOVE_BATCH = attrgetter("move_batch")
+_NO_IDS = np.zeros(0, np.int64)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -422,12 +423,9 @@ class BlockReclaimer:
     def detached(self, reqs: Mapping[str, RequestState]) -> dict[str, list[int]]:
         """The evacuated sources each request's batch holds (check_blocks)."""
         out: dict[str, list[int]] = {}
-        for batch_id, moves in self._inflight.items():
-            for rid, k in moves.index.items():
-                rec = reqs.get(rid)
-                if rec is not None and rec.move_batch == batch_id:
-                    src, fresh = moves.sources(k)
-                    out[rid] = [b.block_id for b in src[: len(fresh)]]
+        for _, moves, k in self._waited_parts(reqs):
+            src, fresh = moves.sources(k)
+            out[moves.batch.req_ids[k]] = [b.block_id for b in src[: len(fresh)]]
         return out
 
     def busy_blocks(self) -> np.ndarray:
@@ -436,40 +434,71 @@ class BlockReclaimer:
 
     def check_busy(self, reqs: Mapping[str, RequestState]) -> None:
         """A block is busy, with its batch's id, exactly while the part of a
-        batch in flight that a request still waits for reads or writes it."""
+        batch in flight that a request still waits for reads or writes it;
+        and no destination of such a part is a live slot (check_step)."""
         want = {}
+        for batch_id, moves, k in self._waited_parts(reqs):
+            ids = np.concatenate(moves.block_ids(k)).tolist()
+            want.update(dict.fromkeys(ids, batch_id))
+        busy = self.busy_blocks()
+        got = dict(zip(busy.tolist(), self._busy[busy].tolist(), strict=True))
+        assert got == want, f"busy blocks {got} are not the batches' {want}"
+        self.check_step(reqs, *(np.zeros(0, np.int64),) * 3)
+
+    def check_step(
+        self,
+        reqs: Mapping[str, RequestState],
+        slots: np.ndarray,
+        counts: np.ndarray,
+        num_written: np.ndarray,
+    ) -> None:
+        """The step's forward and the copies in flight beside it (on GPU a
+        side stream; the step's own plan's batch included, which the worker
+        submits before the forward) touch no slot both:
+
+        - the step's tokens are written (vLLM's own KV write, positional) in
+          no block a copy reads or writes: a plan takes only blocks full
+          before its step (`plan`: computed // B) and later tokens go past
+          them; a preempted or finished request's moves are forgotten and
+          its blocks reused after the copy (the worker's wait_all);
+        - a new request's prefix-cache hits (read, not written) lie in no
+          destination block: a destination leaves the cache when planned;
+        - no destination slot is a live one, the slots the token read uses.
+
+        `slots`: request i's counts[i] slotted this step, of which the last
+        num_written[i] are computed by the forward (the others are hits)."""
+        B, dst_blocks, dst = self.block_size, [_NO_IDS], [_NO_IDS]
+        for _, moves, k in self._waited_parts(reqs):
+            b, d = moves.batch, moves.dst_indptr
+            dst_blocks.append(moves.dst_ids[d[k] : d[k + 1]])
+            dst.append(b.dst_slots[b.indptr[k] : b.indptr[k + 1]])
+        seg = np.repeat(np.arange(counts.size), counts)
+        pos = np.arange(slots.size) - (np.cumsum(counts) - counts)[seg]
+        written = pos >= (counts - num_written)[seg]
+        busy_at = slots[written][self._busy[slots[written] // B] >= 0]
+        assert not busy_at.size, (
+            f"slots {busy_at.tolist()} are written this step in blocks a copy "
+            "in flight reads or writes"
+        )
+        hits = slots[~written]
+        read = hits[np.isin(hits // B, np.concatenate(dst_blocks))]
+        assert not read.size, (
+            f"prefix-cache hits {read.tolist()} lie in blocks a copy in flight writes"
+        )
+        rows = self.pool.rows_or_missing(list(reqs))
+        live = self.pool.live_tokens(rows[rows >= 0])[2]
+        both = np.intersect1d(np.concatenate(dst), live)
+        assert not both.size, (
+            f"slots {both.tolist()} are live and written by a copy in flight"
+        )
+
+    def _waited_parts(self, reqs: Mapping[str, RequestState]):
+        """(batch id, moves, k) of each in-flight part a request waits for."""
         for batch_id, moves in self._inflight.items():
             for rid, k in moves.index.items():
                 rec = reqs.get(rid)
                 if rec is not None and rec.move_batch == batch_id:
-                    ids = np.concatenate(moves.block_ids(k)).tolist()
-                    want.update(dict.fromkeys(ids, batch_id))
-        busy = self.busy_blocks()
-        got = dict(zip(busy.tolist(), self._busy[busy].tolist(), strict=True))
-        assert got == want, f"busy blocks {got} are not the batches' {want}"
-
-    def check_writes(
-        self, slots: np.ndarray, counts: np.ndarray, written: np.ndarray
-    ) -> None:
-        """The step's tokens are written into no block a copy in flight reads
-        or writes. On GPU the copy runs on a side stream beside the forwards
-        queued after it, which write those tokens' K and V (vLLM's own,
-        positional): a shared block would race. It holds because a plan
-        takes only blocks full before its step (`plan`: computed // B) and
-        a request's later tokens go past them; a preempted request's moves
-        are forgotten, its blocks reused only after the copy (wait_all).
-
-        `slots`: request i's counts[i] slotted this step, of which the last
-        written[i] are computed by the forward (the others prefix-cache hits,
-        read only: a hit may be a busy source)."""
-        seg = np.repeat(np.arange(counts.size), counts)
-        pos = np.arange(slots.size) - (np.cumsum(counts) - counts)[seg]
-        mine = slots[pos >= (counts - written)[seg]]
-        hit = np.flatnonzero(self._busy[mine // self.block_size] >= 0)
-        assert not hit.size, (
-            f"slots {mine[hit].tolist()} are written this step in blocks a "
-            "copy in flight reads or writes"
-        )
+                    yield batch_id, moves, k
 
     def check_nulls(self, rids: list[str]) -> None:
         """Each request's freed blocks (pool.num_nulls_rows) are the null

@@ -126,6 +126,8 @@ class VTokenScheduler:
         # The last step's scheduled requests, which on_output compares with
         # the worker's tables under integrity checks (check_worker).
         self._step_rids: dict[str, int] | None = None
+        # integrity: the step's slots, counts and written counts (check_step)
+        self._step_slots = (_NO_IDS,) * 3
         # The last batch each step hook saw (arena.BatchMemo): the running
         # requests (begin_step), the scheduled ones (_sync_slots).
         self._running = self.pool.memo()
@@ -218,6 +220,7 @@ class VTokenScheduler:
         self._num_steps += 1
         self._freed_by_step.append(self._num_freed)
         self._step_rids = so.num_scheduled_tokens
+        self._step_slots = (_NO_IDS,) * 3
         reslotting = self._sync_slots(so.num_scheduled_tokens)
         moves = None
         # Not a request re-slotting known tokens (resumed): its worker resets
@@ -235,6 +238,8 @@ class VTokenScheduler:
             left = list(filter(self._reqs.__contains__, self._plan_due))
             due = self.pool.plan_due(self.pool.rows(left))
             self._plan_due = set(picked(left, due))
+        if integrity.CHECK:  # the forward against the copies, this plan's too
+            self.reclaimer.check_step(self._reqs, *self._step_slots)
         chunks, self._step_dead = self._step_dead, []
         if not chunks and moves is None:
             return None
@@ -424,7 +429,7 @@ class VTokenScheduler:
         slots = pool.positional_slots(rows, take, ids)
         if integrity.CHECK:
             self._check_tail_blocks(rows, take, blocks, slots)
-            self.reclaimer.check_writes(slots, take, counts)
+            self._step_slots = (slots, take, counts)
         self.runtime.sync_rows(rids, take, slots, rows)
         if need.size:
             self.reclaimer.blocks.record(rows[need], first, end, ids)
@@ -482,7 +487,7 @@ class VTokenScheduler:
         assert ids.size == (end - first).sum(), "a block list is too short"
         slots = span_slots(ids, start, counts, B)
         if integrity.CHECK:
-            self.reclaimer.check_writes(slots, counts, scheduled[grow])
+            self._step_slots = (slots, counts, scheduled[grow])
         self.runtime.sync_rows(rids, counts, slots, rows)
         self.reclaimer.blocks.record(rows, first, end, ids)
         return reslotting
