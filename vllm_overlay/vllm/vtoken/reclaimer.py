@@ -467,11 +467,13 @@ class BlockReclaimer:
 
         `slots`: request i's counts[i] slotted this step, of which the last
         num_written[i] are computed by the forward (the others are hits)."""
-        B, dst_blocks, dst = self.block_size, [_NO_IDS], [_NO_IDS]
+        B, dst_blocks, dst = self.block_size, [], []
         for _, moves, k in self._waited_parts(reqs):
             b, d = moves.batch, moves.dst_indptr
             dst_blocks.append(moves.dst_ids[d[k] : d[k + 1]])
             dst.append(b.dst_slots[b.indptr[k] : b.indptr[k + 1]])
+        if not dst:  # no copy in flight (most steps)
+            return
         seg = np.repeat(np.arange(counts.size), counts)
         pos = np.arange(slots.size) - (np.cumsum(counts) - counts)[seg]
         written = pos >= (counts - num_written)[seg]
