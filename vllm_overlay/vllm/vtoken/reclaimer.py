@@ -443,7 +443,7 @@ class BlockReclaimer:
         busy = self.busy_blocks()
         got = dict(zip(busy.tolist(), self._busy[busy].tolist(), strict=True))
         assert got == want, f"busy blocks {got} are not the batches' {want}"
-        self.check_step(reqs, *(np.zeros(0, np.int64),) * 3)
+        self.check_step(reqs, *(_NO_IDS,) * 3)
 
     def check_step(
         self,
