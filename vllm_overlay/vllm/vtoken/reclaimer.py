@@ -477,12 +477,12 @@ class BlockReclaimer:
         seg = np.repeat(np.arange(counts.size), counts)
         pos = np.arange(slots.size) - (np.cumsum(counts) - counts)[seg]
         written = pos >= (counts - num_written)[seg]
-        busy_at = slots[written][self._busy[slots[written] // B] >= 0]
+        mine, hits = slots[written], slots[~written]
+        busy_at = mine[self._busy[mine // B] >= 0]
         assert not busy_at.size, (
             f"slots {busy_at.tolist()} are written this step in blocks a copy "
             "in flight reads or writes"
         )
-        hits = slots[~written]
         read = hits[np.isin(hits // B, np.concatenate(dst_blocks))]
         assert not read.size, (
             f"prefix-cache hits {read.tolist()} lie in blocks a copy in flight writes"

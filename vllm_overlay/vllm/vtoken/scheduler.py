@@ -127,7 +127,7 @@ class VTokenScheduler:
         # the worker's tables under integrity checks (check_worker).
         self._step_rids: dict[str, int] | None = None
         # integrity: the step's slots, counts and written counts (check_step)
-        self._step_slots = (_NO_IDS,) * 3
+        self._step_slots = _NO_STEP_SLOTS
         # The last batch each step hook saw (arena.BatchMemo): the running
         # requests (begin_step), the scheduled ones (_sync_slots).
         self._running = self.pool.memo()
@@ -220,7 +220,7 @@ class VTokenScheduler:
         self._num_steps += 1
         self._freed_by_step.append(self._num_freed)
         self._step_rids = so.num_scheduled_tokens
-        self._step_slots = (_NO_IDS,) * 3
+        self._step_slots = _NO_STEP_SLOTS
         reslotting = self._sync_slots(so.num_scheduled_tokens)
         moves = None
         # Not a request re-slotting known tokens (resumed): its worker resets
@@ -542,6 +542,7 @@ class VTokenScheduler:
 _COMPUTED = attrgetter("num_computed_tokens")
 _NO_IDS = np.zeros(0, np.int64)
 _NO_LIMIT = np.zeros(0, np.int64)  # evict_running: every last output is in
+_NO_STEP_SLOTS = (_NO_IDS,) * 3  # integrity's check_step: nothing slotted
 _NONE: frozenset[str] = frozenset()  # _sync_slots: none re-slots
 _PROMPT = attrgetter("num_prompt_tokens")
 _ALL_TOKENS = attrgetter("_all_token_ids")
