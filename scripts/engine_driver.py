@@ -67,6 +67,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -122,6 +123,144 @@ def check_tree(loaded: str, tree: str | None) -> None:
     root = os.path.realpath(tree) + os.sep
     if not (loaded + os.sep).startswith(root):
         raise RuntimeError(f"the run loaded vLLM from {loaded}, not from {tree}")
+
+
+# A fork server's imports: most of an engine's start-up on two cores (~5 of ~9
+# s), and none of them reads VTOKEN_* when imported (vllm.vtoken.integrity,
+# which does, is imported by the forked run itself).
+FORK_PRELOAD = ("torch", "vllm.entrypoints.llm")
+FORK_ENV = frozenset({"VTOKEN_CHECK_INTEGRITY"})  # what a forked run may set
+
+
+def forkable(spec: dict, env: dict | None) -> bool:
+    """Whether ForkServer runs `spec` as run_driver would: an engine of one
+    rank, setting only FORK_ENV's variables (another PYTHONPATH or vLLM tree
+    needs a fresh interpreter). A multi-rank engine's workers, forked from a
+    forked run, decoded 3x slower (TP=2 on two cores: 1.2 s a wave against
+    0.36); such engines start in a fresh interpreter."""
+    e = spec.get("engine", {})
+    sizes = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    ranks = math.prod(e.get(k) or 1 for k in sizes)
+    return ranks == 1 and (env or {}).keys() <= FORK_ENV
+
+
+class ForkServer:
+    """`run_driver` for many runs of the installed vLLM, each in a process
+    forked from one server that imported FORK_PRELOAD once (`--fork-server`):
+    a fresh interpreter's sys.path and environment, then the run's `env`
+    (`forkable` specs only).
+
+      client (tests)  --{"spec", "out", "log", "env"}-->  server  --fork-->  run
+                      <--{"pid"} ... {"exit"}----------          <--waitpid--
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._stderr = tempfile.TemporaryFile()  # the server's own: its imports
+
+    def run(self, spec: dict, *, env=None, timeout=None) -> dict:
+        env = dict(env or {})
+        if not forkable(spec, env):
+            raise ValueError(f"not a run to fork (engine_driver.forkable): {env}")
+        if self._proc is None or self._proc.poll() is not None:
+            cmd = [sys.executable, __file__, "--fork-server"]
+            full_env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+            self._proc = subprocess.Popen(
+                cmd,
+                env=full_env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            files = {k: str(pathlib.Path(tmp, k)) for k in ("spec", "out", "log")}
+            pathlib.Path(files["spec"]).write_text(json.dumps(spec))
+            self._send({**files, "env": env})
+            pid = self._receive(None)["pid"]  # after the server's imports
+            try:
+                code = self._receive(timeout)["exit"]
+            except TimeoutError:
+                os.killpg(pid, signal.SIGKILL)  # the run and its workers
+                self._receive(None)
+                raise RuntimeError(f"engine run timed out after {timeout} s") from None
+            if code != 0:
+                log = pathlib.Path(files["log"]).read_text(errors="replace")
+                raise RuntimeError(
+                    f"engine run failed (forked, exit {code}):\n{log[-6000:]}"
+                )
+            return json.loads(pathlib.Path(files["out"]).read_text())
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.stdin.close()  # the server's loop ends
+            self._proc.wait(timeout=60)
+            self._proc = None
+
+    def _send(self, msg: dict) -> None:
+        self._proc.stdin.write(json.dumps(msg).encode() + b"\n")
+        self._proc.stdin.flush()
+
+    def _receive(self, timeout) -> dict:
+        import select
+
+        if not select.select([self._proc.stdout], [], [], timeout)[0]:
+            raise TimeoutError
+        line = self._proc.stdout.readline()
+        if not line:
+            self._stderr.seek(0)
+            err = self._stderr.read().decode(errors="replace")[-6000:]
+            raise RuntimeError(f"the fork server exited:\n{err}")
+        return json.loads(line)
+
+
+def fork_server() -> None:
+    """ForkServer's server: imports FORK_PRELOAD, then forks a run for each
+    request on stdin, answering on the stdout it was given (the imports' and
+    the runs' logs go to stderr and the run's log file)."""
+    import importlib
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for name in FORK_PRELOAD:
+        importlib.import_module(name)
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _forked_run(req)  # never returns
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        answers.flush()
+        _, status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n")
+        answers.flush()
+
+
+def _forked_run(req: dict) -> None:
+    """A forked run: `main` on the request's files, in a process group of its
+    own (a timeout kills its workers too), its output to the log file."""
+    import atexit
+    import traceback
+
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's requests
+        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        read_env = "vllm.vtoken.integrity"
+        assert read_env not in sys.modules, f"the fork server imported {read_env}"
+        os.environ.update(req["env"])
+        sys.argv = [__file__, req["spec"], req["out"]]
+        main()
+        atexit._run_exitfuncs()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def cli_flags(options: dict) -> list[str]:
@@ -866,12 +1005,18 @@ def run_steps(spec: dict) -> dict:
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     result = run_sessions(spec) if "sessions" in spec else run_steps(spec)
+    import importlib.util
+
     import vllm
 
     result["vllm_path"] = os.path.realpath(os.path.dirname(vllm.__file__))
+    if importlib.util.find_spec("vllm.vtoken") is not None:  # patched
+        from vllm.vtoken import integrity
+
+        result["integrity"] = integrity.CHECK  # DESIGN.md §4 checked every step
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 
 
 if __name__ == "__main__":
-    main()
+    fork_server() if sys.argv[1:] == ["--fork-server"] else main()

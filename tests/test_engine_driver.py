@@ -279,3 +279,32 @@ def test_another_overlays_kernels_compile_from_a_copy_not_beside_it(
     assert Path(other.__file__).parent != site
     assert not (site / "__pycache__").exists(), "a cache beside the site's file"
     assert other.fold is not fold_kernels.fold and other.fold.signatures
+
+
+def test_only_one_rank_engines_of_this_environment_are_forked():
+    forkable = engine_driver.forkable
+    assert forkable({"engine": {"tensor_parallel_size": 1}}, None)
+    assert forkable({}, {"VTOKEN_CHECK_INTEGRITY": "0"})
+    assert not forkable({"engine": {"tensor_parallel_size": 2}}, None)
+    assert not forkable({"engine": {"pipeline_parallel_size": 2}}, None)
+    assert not forkable({}, {"PYTHONPATH": "/elsewhere"})
+    with pytest.raises(ValueError, match="not a run to fork"):
+        engine_driver.ForkServer().run({}, env={"PYTHONPATH": "/elsewhere"})
+
+
+def test_a_forked_run_that_fails_or_overruns_is_reported_and_the_next_runs():
+    """The server outlives its runs: a failed one's traceback comes back, an
+    overrunning one is killed (its process group), and the next is served."""
+    forks = engine_driver.ForkServer()
+    try:
+        bad = {"engine": {"no_such_argument": 1}, "prompts": [[1, 2]], "max_tokens": 1}
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="(?s)exit 1.*no_such_argument"):
+                forks.run(bad, env={"VTOKEN_CHECK_INTEGRITY": "1"}, timeout=120)
+        slow = {"engine": {}, "prompts": [[1, 2]], "max_tokens": 1}
+        with pytest.raises(RuntimeError, match="timed out after 0.5 s"):
+            forks.run(slow, timeout=0.5)  # still starting its engine
+        with pytest.raises(RuntimeError, match="no_such_argument"):
+            forks.run(bad, timeout=120)
+    finally:
+        forks.close()

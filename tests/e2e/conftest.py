@@ -1,13 +1,17 @@
 """Engines for end-to-end tests: one subprocess per configuration, cached.
 
-Each configuration runs scripts/engine_driver.py once per session (engine start-up
-costs ~26 s on two cores); tests share the JSON it writes. Every vToken engine
-runs with VTOKEN_CHECK_INTEGRITY=1, so DESIGN.md §4's invariants are checked
-after every step of every end-to-end run, and a violation fails the run.
+Each configuration runs scripts/engine_driver.py once per session; tests share
+the JSON it writes. Every vToken engine runs with VTOKEN_CHECK_INTEGRITY=1, so
+DESIGN.md §4's invariants are checked after every step of every end-to-end run,
+and a violation fails the run. A run of the installed vLLM is forked from one
+process that imported torch and vLLM once (engine_driver.ForkServer: ~5 s of an
+engine's ~9 s start-up on two cores); stock vLLM, another PYTHONPATH and
+multi-rank engines get a fresh interpreter (run_driver).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import json
@@ -23,6 +27,8 @@ _spec = importlib.util.spec_from_file_location("engine_driver", DRIVER)
 engine_driver = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(engine_driver)  # imports no vLLM: its engines run in processes
 _cache: dict[str, dict] = {}
+_forks = engine_driver.ForkServer()
+atexit.register(_forks.close)
 
 
 def run_engine(spec: dict, *, pristine: bool = False, env=None) -> dict:
@@ -32,15 +38,19 @@ def run_engine(spec: dict, *, pristine: bool = False, env=None) -> dict:
         json.dumps([spec, pristine, env], sort_keys=True).encode()
     ).hexdigest()[:16]
     if key not in _cache:
+        full = {"VTOKEN_CHECK_INTEGRITY": "1", **(env or {})}
         try:
-            _cache[key] = engine_driver.run_driver(
-                spec,
-                pristine=pristine,
-                env={"VTOKEN_CHECK_INTEGRITY": "1", **(env or {})},
-                timeout=900,
-            )
+            if pristine or not engine_driver.forkable(spec, full):
+                _cache[key] = engine_driver.run_driver(
+                    spec, pristine=pristine, env=full, timeout=900
+                )
+            else:
+                _cache[key] = _forks.run(spec, env=full, timeout=900)
         except RuntimeError as err:
             pytest.fail(str(err))
+        if not pristine:  # the switch reached the engine, however it ran
+            want = full["VTOKEN_CHECK_INTEGRITY"] == "1"
+            assert _cache[key]["integrity"] is want, spec
     return _cache[key]
 
 
