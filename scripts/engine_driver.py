@@ -148,7 +148,9 @@ class ForkServer:
     """`run_driver` for many runs of the installed vLLM, each in a process
     forked from one server that imported FORK_PRELOAD once (`--fork-server`):
     a fresh interpreter's sys.path and environment, then the run's `env`
-    (`forkable` specs only).
+    (`forkable` specs only). The server is started again when this process's
+    environment or folder changed, as a fresh interpreter would see them, and
+    after anything that left it out of step (a timeout, an interrupt).
 
       client (tests)  --{"spec", "out", "log", "env"}-->  server  --fork-->  run
                       <--{"pid"} ... {"exit"}----------          <--waitpid--
@@ -156,33 +158,42 @@ class ForkServer:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
+        self._started_in: tuple[dict, str] | None = None
         self._stderr = tempfile.TemporaryFile()  # the server's own: its imports
 
     def run(self, spec: dict, *, env=None, timeout=None) -> dict:
         env = dict(env or {})
         if not forkable(spec, env):
             raise ValueError(f"not a run to fork (engine_driver.forkable): {env}")
-        if self._proc is None or self._proc.poll() is not None:
-            cmd = [sys.executable, __file__, "--fork-server"]
-            full_env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        where = (dict(os.environ), os.getcwd())
+        if self._proc is not None and (
+            self._proc.poll() is not None or self._started_in != where
+        ):
+            self._stop()
+        if self._proc is None:
+            self._started_in = where
             self._proc = subprocess.Popen(
-                cmd,
-                env=full_env,
+                [sys.executable, __file__, "--fork-server"],
+                env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._stderr,
+                bufsize=0,  # a line at a time: select() then sees the next
             )
         with tempfile.TemporaryDirectory() as tmp:
             files = {k: str(pathlib.Path(tmp, k)) for k in ("spec", "out", "log")}
             pathlib.Path(files["spec"]).write_text(json.dumps(spec))
-            self._send({**files, "env": env})
-            pid = self._receive(None)["pid"]  # after the server's imports
             try:
+                self._send({**files, "env": env})
+                self._receive(timeout)  # {"pid"}: once the server's imports ran
                 code = self._receive(timeout)["exit"]
-            except TimeoutError:
-                os.killpg(pid, signal.SIGKILL)  # the run and its workers
-                self._receive(None)
-                raise RuntimeError(f"engine run timed out after {timeout} s") from None
+            except BaseException as err:  # the next answer would be this run's
+                self._stop()
+                if isinstance(err, TimeoutError):
+                    raise RuntimeError(
+                        f"engine run timed out after {timeout} s"
+                    ) from None
+                raise
             if code != 0:
                 log = pathlib.Path(files["log"]).read_text(errors="replace")
                 raise RuntimeError(
@@ -193,12 +204,24 @@ class ForkServer:
     def close(self) -> None:
         if self._proc is not None:
             self._proc.stdin.close()  # the server's loop ends
-            self._proc.wait(timeout=60)
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._stop()
             self._proc = None
+
+    def _stop(self) -> None:
+        """The server killed: it kills the run it waits for (SIGTERM)."""
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
 
     def _send(self, msg: dict) -> None:
         self._proc.stdin.write(json.dumps(msg).encode() + b"\n")
-        self._proc.stdin.flush()
 
     def _receive(self, timeout) -> dict:
         import select
@@ -216,33 +239,45 @@ class ForkServer:
 def fork_server() -> None:
     """ForkServer's server: imports FORK_PRELOAD, then forks a run for each
     request on stdin, answering on the stdout it was given (the imports' and
-    the runs' logs go to stderr and the run's log file)."""
+    the runs' logs go to stderr and the run's log file). A run's process
+    group is killed once it exits (what it left behind) or when the server
+    is stopped (SIGTERM), or dies of an interrupt, while it waits."""
     import importlib
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     for name in FORK_PRELOAD:
         importlib.import_module(name)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the finally below
     for line in sys.stdin:
         req = json.loads(line)
         pid = os.fork()
         if pid == 0:
+            answers.close()  # the client sees EOF when the server dies
             _forked_run(req)  # never returns
-        answers.write(json.dumps({"pid": pid}) + "\n")
-        answers.flush()
-        _, status = os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):  # both sides: no kill misses it
+            os.setpgid(pid, pid)
+        try:
+            answers.write(json.dumps({"pid": pid}) + "\n")
+            answers.flush()
+            _, status = os.waitpid(pid, 0)
+        finally:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
         answers.write(json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n")
         answers.flush()
 
 
 def _forked_run(req: dict) -> None:
     """A forked run: `main` on the request's files, in a process group of its
-    own (a timeout kills its workers too), its output to the log file."""
+    own, its output to the log file; the exit handlers run, as they would in
+    an interpreter of its own."""
     import atexit
     import traceback
 
     code = 1
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setpgid(0, 0)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's requests
         log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -253,14 +288,16 @@ def _forked_run(req: dict) -> None:
         os.environ.update(req["env"])
         sys.argv = [__file__, req["spec"], req["out"]]
         main()
-        atexit._run_exitfuncs()
         code = 0
     except BaseException:
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 def cli_flags(options: dict) -> list[str]:

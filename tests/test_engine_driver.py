@@ -6,6 +6,7 @@ themselves are the e2e tests' and the benchmarks'."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -292,19 +293,35 @@ def test_only_one_rank_engines_of_this_environment_are_forked():
         engine_driver.ForkServer().run({}, env={"PYTHONPATH": "/elsewhere"})
 
 
-def test_a_forked_run_that_fails_or_overruns_is_reported_and_the_next_runs():
-    """The server outlives its runs: a failed one's traceback comes back, an
-    overrunning one is killed (its process group), and the next is served."""
+def test_a_forked_run_that_fails_or_overruns_is_reported_and_the_next_runs(
+    monkeypatch,
+):
+    """The server outlives a failed run (its traceback comes back); a run
+    that overruns is killed with its process group, by a server started
+    again (the old one's next answer would be that run's), which serves the
+    next run. Imports the installed vLLM: scripts/test.sh's environment."""
+    model = os.environ.get("VTOKEN_MODEL_DIR")
+    if not model:
+        pytest.skip("VTOKEN_MODEL_DIR unset: run through scripts/test.sh")
     forks = engine_driver.ForkServer()
+    bad = {"engine": {"no_such_argument": 1}, "prompts": [[1, 2]], "max_tokens": 1}
     try:
-        bad = {"engine": {"no_such_argument": 1}, "prompts": [[1, 2]], "max_tokens": 1}
+        servers = set()
         for _ in range(2):
             with pytest.raises(RuntimeError, match="(?s)exit 1.*no_such_argument"):
                 forks.run(bad, env={"VTOKEN_CHECK_INTEGRITY": "1"}, timeout=120)
+            servers.add(forks._proc.pid)
+        (server,) = servers
         slow = {"engine": {}, "prompts": [[1, 2]], "max_tokens": 1}
         with pytest.raises(RuntimeError, match="timed out after 0.5 s"):
             forks.run(slow, timeout=0.5)  # still starting its engine
         with pytest.raises(RuntimeError, match="no_such_argument"):
             forks.run(bad, timeout=120)
+        assert forks._proc.pid != server
+        again = forks._proc.pid
+        monkeypatch.setenv("VTOKEN_SOME_SETTING", "1")  # as a fresh run sees it
+        with pytest.raises(RuntimeError, match="no_such_argument"):
+            forks.run(bad, timeout=120)
+        assert forks._proc.pid != again
     finally:
         forks.close()

@@ -41,16 +41,17 @@ def run_engine(spec: dict, *, pristine: bool = False, env=None) -> dict:
         full = {"VTOKEN_CHECK_INTEGRITY": "1", **(env or {})}
         try:
             if pristine or not engine_driver.forkable(spec, full):
-                _cache[key] = engine_driver.run_driver(
+                run = engine_driver.run_driver(
                     spec, pristine=pristine, env=full, timeout=900
                 )
             else:
-                _cache[key] = _forks.run(spec, env=full, timeout=900)
+                run = _forks.run(spec, env=full, timeout=900)
         except RuntimeError as err:
             pytest.fail(str(err))
         if not pristine:  # the switch reached the engine, however it ran
             want = full["VTOKEN_CHECK_INTEGRITY"] == "1"
-            assert _cache[key]["integrity"] is want, spec
+            assert run.get("integrity") is want, (spec, env)
+        _cache[key] = run
     return _cache[key]
 
 
