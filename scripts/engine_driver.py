@@ -165,7 +165,7 @@ class ForkServer:
         env = dict(env or {})
         if not forkable(spec, env):
             raise ValueError(f"not a run to fork (engine_driver.forkable): {env}")
-        where = (dict(os.environ), os.getcwd())
+        where = (_environment(), os.getcwd())
         if self._proc is not None and (
             self._proc.poll() is not None or self._started_in != where
         ):
@@ -234,6 +234,12 @@ class ForkServer:
             err = self._stderr.read().decode(errors="replace")[-6000:]
             raise RuntimeError(f"the fork server exited:\n{err}")
         return json.loads(line)
+
+
+def _environment() -> dict:
+    """What a fresh run's environment would be, less pytest's note of the
+    current test (a new one each test: no cause to start the server again)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
 def fork_server() -> None:

@@ -319,6 +319,10 @@ def test_a_forked_run_that_fails_or_overruns_is_reported_and_the_next_runs(
             forks.run(bad, timeout=120)
         assert forks._proc.pid != server
         again = forks._proc.pid
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")  # each test's
+        with pytest.raises(RuntimeError, match="no_such_argument"):
+            forks.run(bad, timeout=120)
+        assert forks._proc.pid == again
         monkeypatch.setenv("VTOKEN_SOME_SETTING", "1")  # as a fresh run sees it
         with pytest.raises(RuntimeError, match="no_such_argument"):
             forks.run(bad, timeout=120)
