@@ -135,9 +135,9 @@ FORK_ENV = frozenset({"VTOKEN_CHECK_INTEGRITY"})  # what a forked run may set
 def forkable(spec: dict, env: dict | None) -> bool:
     """Whether ForkServer runs `spec` as run_driver would: an engine of one
     rank, setting only FORK_ENV's variables (another PYTHONPATH or vLLM tree
-    needs a fresh interpreter). A multi-rank engine's workers, forked from a
-    forked run, decoded 3x slower (TP=2 on two cores: 1.2 s a wave against
-    0.36); such engines start in a fresh interpreter."""
+    needs a fresh interpreter). A multi-rank engine (its workers spawned, on
+    CPU) started from a forked run decoded 3x slower (TP=2 on two cores: 1.2
+    s a wave against 0.36; not looked into): such engines get run_driver."""
     e = spec.get("engine", {})
     sizes = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
     ranks = math.prod(e.get(k) or 1 for k in sizes)
