@@ -206,9 +206,9 @@ class ForkServer:
             self._proc.stdin.close()  # the server's loop ends
             try:
                 self._proc.wait(timeout=60)
+                self._proc = None
             except subprocess.TimeoutExpired:
                 self._stop()
-            self._proc = None
 
     def _stop(self) -> None:
         """The server killed: it kills the run it waits for (SIGTERM)."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm.vtoken import integrity
-from vllm.vtoken.arena import attrs, indptr_of, ranges, values
+from vllm.vtoken.arena import attrs, indptr_of, ranges, segments, values
 from vllm.vtoken.block_index import BlockIndex
 from vllm.vtoken.messages import MoveBatch
 from vllm.vtoken.packing import pack_requests
@@ -474,8 +474,7 @@ class BlockReclaimer:
             dst.append(b.dst_slots[b.indptr[k] : b.indptr[k + 1]])
         if not dst:  # no copy in flight (most steps)
             return
-        seg = np.repeat(np.arange(counts.size), counts)
-        pos = np.arange(slots.size) - (np.cumsum(counts) - counts)[seg]
+        seg, pos = segments(counts)
         written = pos >= (counts - num_written)[seg]
         mine, hits = slots[written], slots[~written]
         busy_at = mine[self._busy[mine // B] >= 0]
